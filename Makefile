@@ -1,0 +1,29 @@
+# Fresh machine: `make demo` sets everything up and runs the CPU demo; `make test` sets up and runs the tests.
+SHELL := /bin/bash
+VENV := .venv
+PY312 := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	"$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$c"; break; }; done)
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -n "$(PY312)" || { echo "error: python3.12 not found (megatron-core needs Python >= 3.12)" >&2; exit 1; }
+	@test -x $(VENV)/bin/python || $(PY312) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/moe-vlm-sweep run model=tiny
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra -m 'not slow'
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,82 @@
+"""The ``moe-vlm-sweep`` console script.
+
+    moe-vlm-sweep check [OVERRIDES]   validate and print the resolved plan (exit 0 valid, 2 invalid)
+    moe-vlm-sweep run [OVERRIDES]     validate, then train in an isolated process; prints the result
+
+Invalid input exits 2 before any process starts; a run that fails exits 1 with its failure class.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+USAGE = __doc__.split("\n\n")[1]
+EXIT_INVALID = 2
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_INVALID
+
+
+def _plan(overrides: Sequence[str]):
+    """Compose and validate; return (plan, resolved yaml) or an exit code after printing why."""
+    from omegaconf import OmegaConf
+
+    from moe_vlm_sweep.config.compose import CompositionError, compose_config, to_run_config
+    from moe_vlm_sweep.config.schema import ConfigFieldError
+    from moe_vlm_sweep.plan.plan import make_plan
+    from moe_vlm_sweep.plan.rules import ConfigError
+
+    try:
+        composed = compose_config(overrides)
+        return make_plan(to_run_config(composed), overrides), OmegaConf.to_yaml(composed)
+    except (CompositionError, ConfigFieldError, ConfigError) as exc:
+        return _fail(str(exc))
+
+
+def check(overrides: Sequence[str]) -> int:
+    from moe_vlm_sweep.plan.plan import describe
+
+    planned = _plan(overrides)
+    if isinstance(planned, int):
+        return planned
+    print(describe(planned[0]))
+    print("valid")
+    return 0
+
+
+def run(overrides: Sequence[str]) -> int:
+    from moe_vlm_sweep.launch.local import launch
+    from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
+    from moe_vlm_sweep.launch.summary import summarize
+
+    planned = _plan(overrides)
+    if isinstance(planned, int):
+        return planned
+    plan, resolved_yaml = planned
+    run_dir = new_run_dir(plan.run_config.outputs_dir)
+    prepare(run_dir, plan, resolved_yaml)
+    print(f"run dir: {run_dir}", flush=True)
+    result = launch(plan, run_dir)
+    print(summarize(result))
+    return 0 if result.ok else 1
+
+
+COMMANDS = {"check": check, "run": run}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else EXIT_INVALID
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        return _fail(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
+    return COMMANDS[command](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

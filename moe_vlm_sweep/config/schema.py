@@ -1,0 +1,408 @@
+"""Typed configuration: one kw_only dataclass per Hydra group.
+
+Each ``__post_init__`` checks only its own fields (the torchtitan rule); rules that relate two groups live in
+``moe_vlm_sweep.plan.rules``. This module imports neither Hydra nor torch, so the training worker can rebuild a
+``RunConfig`` from the plan file with :func:`from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigFieldError(ValueError):
+    """A field holds a value outside its own domain (raised while a group is built)."""
+
+
+def _choice(knob: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigFieldError(f"{knob}={value!r} must be one of {', '.join(map(str, allowed))}")
+
+
+def _positive(knob: str, value: Optional[int | float], *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigFieldError(f"{knob}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass(kw_only=True)
+class VisionEncoderConf:
+    """The ViT. megatron-core's LLaVA drives a CLIP-style ViT (``clip``) or a SigLIP-style one (``siglip``)."""
+
+    kind: str = "clip"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 128
+    patch_size: int = 14
+    image_size: int = 56
+    class_token_len: int = 1
+    """CLS tokens prepended by CLIP; they are dropped before the projector (LLaVA's default)."""
+    spatial_merge: int = 1
+    """2 merges each 2x2 patch block into one token before the projector (Qwen-VL's patch merger; megatron-core
+    LLaVA's ``pixel_shuffle``), so an image costs a quarter of the decoder tokens."""
+
+    def __post_init__(self) -> None:
+        _choice("model.vision.kind", self.kind, ("clip", "siglip"))
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "patch_size",
+                     "image_size"):
+            _positive(f"model.vision.{name}", getattr(self, name))
+        _positive("model.vision.class_token_len", self.class_token_len, allow_zero=True)
+        _choice("model.vision.spatial_merge", self.spatial_merge, (1, 2))
+        if self.image_size % self.patch_size:
+            raise ConfigFieldError(f"model.vision.image_size={self.image_size} must be a multiple of "
+                                   f"model.vision.patch_size={self.patch_size}")
+
+    @property
+    def patches_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Tokens one image contributes to the decoder (CLS tokens are dropped, merged patches count once)."""
+        return self.patches_per_image // self.spatial_merge**2
+
+
+@dataclass(kw_only=True)
+class ProjectorConf:
+    kind: str = "mlp"
+    """``mlp`` (two layers with GELU, LLaVA-1.5) or ``affine``."""
+    ffn_hidden_size: Optional[int] = None
+    """Hidden width of the MLP projector; None means the decoder's hidden size."""
+
+    def __post_init__(self) -> None:
+        _choice("model.projector.kind", self.kind, ("mlp", "affine"))
+        _positive("model.projector.ffn_hidden_size", self.ffn_hidden_size)
+
+
+@dataclass(kw_only=True)
+class DecoderConf:
+    """The MoE GPT decoder (megatron-core ``GPTModel`` inside ``LLaVAModel``)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    kv_channels: Optional[int] = None
+    """Head dimension; None means hidden_size / num_attention_heads."""
+    ffn_hidden_size: int = 128
+    """Dense FFN width, used by layers that are not MoE."""
+    num_experts: int = 4
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 64
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_layer_freq: int = 1
+    """Every n-th layer is MoE (1: all layers)."""
+    moe_aux_loss_coeff: float = 1e-2
+    vocab_size: int = 512
+    rotary_base: int = 10000
+    normalization: str = "RMSNorm"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "vocab_size",
+                     "kv_channels", "moe_shared_expert_intermediate_size"):
+            _positive(f"model.decoder.{name}", getattr(self, name))
+        _choice("model.decoder.normalization", self.normalization, ("RMSNorm", "LayerNorm"))
+        if self.moe_router_topk > self.num_experts:
+            raise ConfigFieldError(f"model.decoder.moe_router_topk={self.moe_router_topk} must be <= "
+                                   f"model.decoder.num_experts={self.num_experts}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigFieldError(f"model.decoder.num_query_groups={self.num_query_groups} must divide "
+                                   f"model.decoder.num_attention_heads={self.num_attention_heads}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigFieldError(f"model.decoder.num_attention_heads={self.num_attention_heads} must divide "
+                                   f"model.decoder.hidden_size={self.hidden_size} (or set model.decoder.kv_channels)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(1 for i in range(self.num_layers) if i % self.moe_layer_freq == 0)
+
+
+@dataclass(kw_only=True)
+class ModelConf:
+    name: str = "tiny"
+    vision: VisionEncoderConf = field(default_factory=VisionEncoderConf)
+    projector: ProjectorConf = field(default_factory=ProjectorConf)
+    decoder: DecoderConf = field(default_factory=DecoderConf)
+    images_per_sample: int = 1
+    text_tokens: int = 64
+    """Text tokens per sample (caption + prompt), before image tokens are inserted."""
+
+    def __post_init__(self) -> None:
+        _positive("model.images_per_sample", self.images_per_sample, allow_zero=True)
+        _positive("model.text_tokens", self.text_tokens)
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens one image contributes to the decoder sequence (patches; CLS tokens are dropped)."""
+        return self.vision.tokens_per_image
+
+    @property
+    def seq_length(self) -> int:
+        """Decoder sequence: each image placeholder token is replaced by the image's tokens."""
+        return self.text_tokens + self.images_per_sample * (self.image_tokens - 1)
+
+
+@dataclass(kw_only=True)
+class ParallelConf:
+    """FSDP (Megatron-FSDP) or 3D (Megatron DDP + distributed optimizer); DP is what the world leaves."""
+
+    strategy: str = "fsdp"
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank; 1 means no interleaving."""
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    fsdp_sharding: str = "optim_grads_params"
+
+    def __post_init__(self) -> None:
+        _choice("parallel.strategy", self.strategy, ("fsdp", "3d"))
+        _choice("parallel.fsdp_sharding", self.fsdp_sharding,
+                ("no_shard", "optim", "optim_grads", "optim_grads_params"))
+        for name in ("tp", "pp", "vpp", "cp", "ep", "etp"):
+            _positive(f"parallel.{name}", getattr(self, name))
+
+
+@dataclass(kw_only=True)
+class BatchConf:
+    mbs: int = 2
+    gbs: int = 4
+
+    def __post_init__(self) -> None:
+        _positive("batch.mbs", self.mbs)
+        _positive("batch.gbs", self.gbs)
+
+
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+@dataclass(kw_only=True)
+class RecomputeConf:
+    granularity: str = "none"
+    modules: list[str] = field(default_factory=list)
+    """Selective recompute only; megatron-core's names."""
+    method: Optional[str] = None
+    """Full recompute only: ``uniform`` or ``block``."""
+    num_layers: Optional[int] = None
+    """Full recompute only: layers per chunk (uniform) or recomputed layers per stage (block)."""
+
+    def __post_init__(self) -> None:
+        _choice("recompute.granularity", self.granularity, ("none", "full", "selective"))
+        for module in self.modules:
+            _choice("recompute.modules", module, RECOMPUTE_MODULES)
+        if self.method is not None:
+            _choice("recompute.method", self.method, ("uniform", "block"))
+        _positive("recompute.num_layers", self.num_layers)
+
+
+CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+@dataclass(kw_only=True)
+class CudaGraphConf:
+    scope: str = "none"
+    impl: str = "none"
+    modules: list[str] = field(default_factory=list)
+    """megatron-core ``cuda_graph_modules``; empty with a graph impl means whole layers."""
+    warmup_steps: int = 3
+
+    def __post_init__(self) -> None:
+        _choice("cuda_graph.impl", self.impl, ("none", "local", "transformer_engine", "full_iteration"))
+        for module in self.modules:
+            _choice("cuda_graph.modules", module, CUDA_GRAPH_MODULES)
+        _positive("cuda_graph.warmup_steps", self.warmup_steps, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class DispatcherConf:
+    name: str = "alltoall"
+    token_dispatcher: str = "alltoall"
+    """megatron-core ``moe_token_dispatcher_type``: allgather | alltoall | flex."""
+    flex_backend: Optional[str] = None
+    """``deepep`` or ``hybridep`` with the flex dispatcher."""
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("dispatcher.token_dispatcher", self.token_dispatcher, ("allgather", "alltoall", "flex"))
+        if self.flex_backend is not None:
+            _choice("dispatcher.flex_backend", self.flex_backend, ("deepep", "hybridep"))
+        _positive("dispatcher.capacity_factor", self.capacity_factor)
+
+
+@dataclass(kw_only=True)
+class VisionTrainingConf:
+    name: str = "trainable"
+    freeze_encoder: bool = False
+    freeze_projector: bool = False
+
+
+@dataclass(kw_only=True)
+class FusionsConf:
+    """megatron-core's kernel fusions; None means on for GPU hardware, off on the CPU (they need CUDA)."""
+
+    name: str = "auto"
+    bias_dropout: Optional[bool] = None
+    rope: Optional[bool] = None
+    masked_softmax: Optional[bool] = None
+    moe_permute: Optional[bool] = None
+    cross_entropy: Optional[bool] = None
+    gradient_accumulation: Optional[bool] = None
+
+    FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation")
+
+    def resolved(self, *, on_gpu: bool) -> dict[str, bool]:
+        return {name: on_gpu if getattr(self, name) is None else getattr(self, name) for name in self.FIELDS}
+
+
+@dataclass(kw_only=True)
+class DataConf:
+    name: str = "synthetic_images"
+    realism: str = "synthetic_images"
+    """How close to real multimodal input this data is; runs of different realism are never ranked together."""
+    min_text_fraction: float = 0.5
+    """Each sample's real text length is drawn from [min_text_fraction, 1] * model.text_tokens; the rest is
+    padding, so padding is real."""
+    fixed_batch: bool = False
+    """Repeat one batch every step (to check that the model learns)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("data.realism", self.realism, ("mock_text", "synthetic_images", "real_images"))
+        if not 0.0 < self.min_text_fraction <= 1.0:
+            raise ConfigFieldError(f"data.min_text_fraction={self.min_text_fraction} must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class HardwareConf:
+    name: str = "cpu"
+    device: str = "cpu"
+    peak_bf16_tflops: Optional[float] = None
+    """Dense bf16 peak per GPU (datasheet); None on the CPU, where a matmul peak is measured at start."""
+    memory_gib: float = 16.0
+    gpus_per_node: int = 4
+    """On the CPU: the most worker processes one node runs."""
+
+    def __post_init__(self) -> None:
+        _choice("hardware.device", self.device, ("cpu", "cuda"))
+        _positive("hardware.peak_bf16_tflops", self.peak_bf16_tflops)
+        _positive("hardware.memory_gib", self.memory_gib)
+        _positive("hardware.gpus_per_node", self.gpus_per_node)
+        if self.device == "cuda" and self.peak_bf16_tflops is None:
+            raise ConfigFieldError(f"hardware.peak_bf16_tflops must be set for GPU hardware {self.name!r}")
+
+
+@dataclass(kw_only=True)
+class LauncherConf:
+    name: str = "local"
+    nproc_per_node: int = 1
+    nnodes: int = 1
+
+    def __post_init__(self) -> None:
+        _choice("launcher.name", self.name, ("local", "torchrun"))
+        _positive("launcher.nproc_per_node", self.nproc_per_node)
+        _positive("launcher.nnodes", self.nnodes)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass(kw_only=True)
+class TrackingConf:
+    name: str = "none"
+    backend: str = "none"
+    tracking_uri: Optional[str] = None
+    """None: SQLite under the outputs folder."""
+    experiment: str = "moe-vlm-sweep"
+
+    def __post_init__(self) -> None:
+        _choice("tracking.backend", self.backend, ("none", "mlflow"))
+
+
+@dataclass(kw_only=True)
+class TrainConf:
+    warmup_steps: int = 2
+    steps: int = 8
+    profile_steps: int = 1
+    """Extra steps after the timed ones, with per-component timing (synchronizing) hooks on."""
+    timeout_s: float = 600.0
+    seed: int = 1234
+    lr: float = 1e-3
+    precision: str = "auto"
+    """``auto``: bf16 on GPU, fp32 on the CPU."""
+    transformer_impl: str = "auto"
+    """``auto``: Transformer Engine specs on GPU, local specs on the CPU."""
+
+    def __post_init__(self) -> None:
+        _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("train.steps", self.steps)
+        _positive("train.profile_steps", self.profile_steps, allow_zero=True)
+        _positive("train.timeout_s", self.timeout_s)
+        _positive("train.lr", self.lr)
+        _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
+        _choice("train.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine"))
+
+    def resolved_precision(self, device: str) -> str:
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if device == "cuda" else "fp32"
+
+    def resolved_transformer_impl(self, device: str) -> str:
+        if self.transformer_impl != "auto":
+            return self.transformer_impl
+        return "transformer_engine" if device == "cuda" else "local"
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one training run needs; composed by Hydra from ``conf/config.yaml``."""
+
+    model: ModelConf = field(default_factory=ModelConf)
+    parallel: ParallelConf = field(default_factory=ParallelConf)
+    batch: BatchConf = field(default_factory=BatchConf)
+    recompute: RecomputeConf = field(default_factory=RecomputeConf)
+    cuda_graph: CudaGraphConf = field(default_factory=CudaGraphConf)
+    dispatcher: DispatcherConf = field(default_factory=DispatcherConf)
+    vision: VisionTrainingConf = field(default_factory=VisionTrainingConf)
+    fusions: FusionsConf = field(default_factory=FusionsConf)
+    data: DataConf = field(default_factory=DataConf)
+    hardware: HardwareConf = field(default_factory=HardwareConf)
+    launcher: LauncherConf = field(default_factory=LauncherConf)
+    tracking: TrackingConf = field(default_factory=TrackingConf)
+    train: TrainConf = field(default_factory=TrainConf)
+    outputs_dir: str = "outputs"
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a (nested) config dataclass from plain data, running every ``__post_init__`` again."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = from_dict(hint, value)
+        kwargs[f.name] = value
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ConfigFieldError(f"unknown keys for {cls.__name__}: {', '.join(sorted(unknown))}")
+    return cls(**kwargs)
+
+
+def to_dict(conf: Any) -> dict[str, Any]:
+    return dataclasses.asdict(conf)
+

@@ -1,0 +1,141 @@
+"""RunConfig -> RunPlan: the validated, frozen, JSON-serializable description of one run.
+
+The worker receives the plan as a file (``plan.json``), never a Hydra config, so a run can be replayed from its
+run directory alone and the worker needs neither Hydra nor the sweep stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_vlm_sweep.config.schema import RunConfig, from_dict, to_dict
+from moe_vlm_sweep.plan.rules import ConfigError, broken_rules
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    """Data-parallel size of the dense part: world / (tp * pp * cp)."""
+    edp: int
+    """Expert data-parallel size: world / (etp * ep * pp)."""
+    sp: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    version: int
+    config: dict[str, Any]
+    """The resolved RunConfig as plain data."""
+    overrides: list[str]
+    """The Hydra overrides this run was composed from (for the exact re-run command)."""
+    layout: Layout
+    num_microbatches: int
+    """Micro-batches per step on each DP rank: gbs / (mbs * dp); gradients really accumulate over them."""
+    seq_length: int
+    """Decoder tokens per sample (text with image tokens inserted), after LLaVA pads it to a multiple of the
+    sequence shard factor (tp under SP, 2*cp under CP)."""
+    tokens_per_step: int
+    """Padded decoder tokens per optimizer step over the whole world: gbs * seq_length."""
+    device: str
+    precision: str
+    transformer_impl: str
+    fusions: dict[str, bool]
+
+    @property
+    def run_config(self) -> RunConfig:
+        return from_dict(RunConfig, self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunPlan":
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}")
+        return cls(**{**data, "layout": Layout(**data["layout"])})
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> "RunPlan":
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def layout_of(cfg: RunConfig) -> Layout:
+    p, world = cfg.parallel, cfg.launcher.world_size
+    return Layout(world_size=world, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
+                  dp=max(world // (p.tp * p.pp * p.cp), 1), edp=max(world // (p.etp * p.ep * p.pp), 1), sp=p.sp)
+
+
+def sharded_seq_length(cfg: RunConfig) -> int:
+    """LLaVA pads the combined sequence so that SP (tp) and CP (2*cp, load-balanced) can split it evenly."""
+    p = cfg.parallel
+    factor = (p.tp if p.sp else 1) * (2 * p.cp if p.cp > 1 else 1)
+    return -(-cfg.model.seq_length // factor) * factor
+
+
+def make_plan(cfg: RunConfig, overrides: list[str] | tuple[str, ...] = ()) -> RunPlan:
+    """Validate ``cfg`` against every rule and freeze it; raise :class:`ConfigError` listing all broken rules."""
+    problems = broken_rules(cfg)
+    if problems:
+        raise ConfigError(problems)
+    layout = layout_of(cfg)
+    on_gpu = cfg.hardware.device == "cuda"
+    return RunPlan(
+        version=PLAN_VERSION,
+        config=to_dict(cfg),
+        overrides=list(overrides),
+        layout=layout,
+        num_microbatches=cfg.batch.gbs // (cfg.batch.mbs * layout.dp),
+        seq_length=sharded_seq_length(cfg),
+        tokens_per_step=cfg.batch.gbs * sharded_seq_length(cfg),
+        device=cfg.hardware.device,
+        precision=cfg.train.resolved_precision(cfg.hardware.device),
+        transformer_impl=cfg.train.resolved_transformer_impl(cfg.hardware.device),
+        fusions=cfg.fusions.resolved(on_gpu=on_gpu),
+    )
+
+
+
+def describe(plan: RunPlan) -> str:
+    """The resolved plan as a person checks it: layout, batch arithmetic, tokens."""
+    cfg, lay = plan.run_config, plan.layout
+    rows = [
+        ("model", f"{cfg.model.name} (vision {cfg.model.vision.kind} {cfg.model.vision.num_layers}L, decoder "
+                  f"{cfg.model.decoder.num_layers}L {cfg.model.decoder.num_experts} experts "
+                  f"top-{cfg.model.decoder.moe_router_topk})"),
+        ("hardware", f"{cfg.hardware.name} ({plan.device}, {plan.transformer_impl} specs, {plan.precision})"),
+        ("launcher", f"{cfg.launcher.name}: {cfg.launcher.nnodes} node(s) x {cfg.launcher.nproc_per_node} "
+                     f"= world {lay.world_size}"),
+        ("parallel", f"{cfg.parallel.strategy}" + (f" ({cfg.parallel.fsdp_sharding})"
+                                                  if cfg.parallel.strategy == "fsdp" else "")),
+        ("layout", f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} ep={lay.ep} etp={lay.etp} "
+                   f"sp={str(lay.sp).lower()} -> dp={lay.dp}, expert dp={lay.edp}"),
+        ("batch", f"gbs={cfg.batch.gbs} = mbs {cfg.batch.mbs} x dp {lay.dp} x {plan.num_microbatches} "
+                  "micro-batches per step"),
+        ("sequence", f"{plan.seq_length} decoder tokens/sample = {cfg.model.text_tokens} text + "
+                     f"{cfg.model.images_per_sample} image(s) x {cfg.model.image_tokens} tokens - placeholders"),
+        ("tokens/step", f"{plan.tokens_per_step} (padded)"),
+        ("recompute", cfg.recompute.granularity + (f" {cfg.recompute.modules}" if cfg.recompute.modules else "")),
+        ("cuda_graph", f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})"),
+        ("dispatcher", cfg.dispatcher.name),
+        ("vision", cfg.vision.name),
+        ("fusions", ", ".join(k for k, v in plan.fusions.items() if v) or "none"),
+        ("data", f"{cfg.data.name} (realism {cfg.data.realism})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,398 @@
+"""Every cross-field rule a run must satisfy before it may cost a process, in one module.
+
+Each rule is a small function of the whole ``RunConfig`` returning a message (knob, value, rule) or None. They
+mirror what megatron-core 0.19 enforces at build or training time (``TransformerConfig.__post_init__``,
+``parallel_state``, the MoE layer, LLaVA) plus what this product's worker supports, so a bad layout is found
+on a laptop or login node instead of after a cluster queue. Rules are pure: what depends on the machine (TE or
+DeepEP installed, GPUs present) is the worker's preflight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from moe_vlm_sweep.config.schema import RunConfig
+
+Rule = Callable[[RunConfig], Optional[str]]
+RULES: list[Rule] = []
+
+
+class ConfigError(ValueError):
+    """A config breaks one or more rules; the message lists each, naming knob, value and rule."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def broken_rules(cfg: RunConfig) -> list[str]:
+    return [msg for check in RULES if (msg := check(cfg))]
+
+
+def _world(cfg: RunConfig) -> int:
+    return cfg.launcher.world_size
+
+
+def _dp(cfg: RunConfig) -> int:
+    p = cfg.parallel
+    return _world(cfg) // (p.tp * p.pp * p.cp)
+
+
+def _uses_te(cfg: RunConfig) -> bool:
+    return cfg.train.resolved_transformer_impl(cfg.hardware.device) == "transformer_engine"
+
+
+def _all_layers_moe(cfg: RunConfig) -> bool:
+    return cfg.model.decoder.moe_layer_freq == 1
+
+
+def _drop_and_pad(cfg: RunConfig) -> bool:
+    return cfg.dispatcher.capacity_factor is not None and cfg.dispatcher.pad_to_capacity
+
+
+# --- launcher and hardware ---------------------------------------------------------------------------------
+
+@rule
+def local_launcher_is_one_process(cfg: RunConfig) -> Optional[str]:
+    if cfg.launcher.name == "local" and _world(cfg) != 1:
+        return (f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} with launcher.nnodes={cfg.launcher.nnodes}: "
+                "launcher=local runs one process; use launcher=torchrun for a world size > 1")
+
+
+@rule
+def processes_fit_the_node(cfg: RunConfig) -> Optional[str]:
+    if cfg.launcher.nproc_per_node > cfg.hardware.gpus_per_node:
+        return (f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} must be <= "
+                f"hardware.gpus_per_node={cfg.hardware.gpus_per_node} (hardware={cfg.hardware.name})")
+
+
+@rule
+def te_needs_gpu(cfg: RunConfig) -> Optional[str]:
+    if cfg.hardware.device == "cpu" and cfg.train.transformer_impl == "transformer_engine":
+        return "train.transformer_impl=transformer_engine needs GPU hardware, not hardware=cpu"
+
+
+@rule
+def cuda_graphs_need_gpu(cfg: RunConfig) -> Optional[str]:
+    if cfg.hardware.device == "cpu" and cfg.cuda_graph.impl != "none":
+        return f"cuda_graph.impl={cfg.cuda_graph.impl} needs GPU hardware, not hardware=cpu"
+
+
+@rule
+def fusions_need_gpu(cfg: RunConfig) -> Optional[str]:
+    if cfg.hardware.device == "cpu":
+        on = [name for name in cfg.fusions.FIELDS if getattr(cfg.fusions, name)]
+        if on:
+            return f"fusions.{on[0]}=true needs GPU hardware (CUDA kernels), not hardware=cpu"
+
+
+# --- layout ------------------------------------------------------------------------------------------------
+
+@rule
+def dense_layout_divides_world(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if _world(cfg) % (p.tp * p.pp * p.cp):
+        return (f"parallel.tp*pp*cp={p.tp}*{p.pp}*{p.cp}={p.tp * p.pp * p.cp} must divide the world size "
+                f"{_world(cfg)} (launcher.nproc_per_node * launcher.nnodes)")
+
+
+@rule
+def expert_layout_divides_world(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if _world(cfg) % (p.etp * p.ep * p.pp):
+        return (f"parallel.etp*ep*pp={p.etp}*{p.ep}*{p.pp}={p.etp * p.ep * p.pp} must divide the world size "
+                f"{_world(cfg)}")
+
+
+@rule
+def tp_divides_heads(cfg: RunConfig) -> Optional[str]:
+    d = cfg.model.decoder
+    if d.num_attention_heads % cfg.parallel.tp:
+        return f"parallel.tp={cfg.parallel.tp} must divide model.decoder.num_attention_heads={d.num_attention_heads}"
+
+
+@rule
+def tp_divides_query_groups(cfg: RunConfig) -> Optional[str]:
+    d = cfg.model.decoder
+    if d.num_query_groups % cfg.parallel.tp:
+        return f"parallel.tp={cfg.parallel.tp} must divide model.decoder.num_query_groups={d.num_query_groups}"
+
+
+@rule
+def tp_divides_vision_heads(cfg: RunConfig) -> Optional[str]:
+    v = cfg.model.vision
+    if v.num_attention_heads % cfg.parallel.tp:
+        return (f"parallel.tp={cfg.parallel.tp} must divide model.vision.num_attention_heads={v.num_attention_heads} "
+                "(the ViT runs with the decoder's TP)")
+
+
+@rule
+def pp_divides_layers(cfg: RunConfig) -> Optional[str]:
+    p, layers = cfg.parallel, cfg.model.decoder.num_layers
+    if layers % (p.pp * p.vpp):
+        return (f"parallel.pp*vpp={p.pp}*{p.vpp} must divide model.decoder.num_layers={layers} "
+                "(every pipeline chunk holds the same number of layers)")
+
+
+@rule
+def vpp_needs_pp(cfg: RunConfig) -> Optional[str]:
+    if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
+        return f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp > 1 (interleaving splits pipeline stages)"
+
+
+@rule
+def ep_divides_experts(cfg: RunConfig) -> Optional[str]:
+    if cfg.model.decoder.num_experts % cfg.parallel.ep:
+        return f"parallel.ep={cfg.parallel.ep} must divide model.decoder.num_experts={cfg.model.decoder.num_experts}"
+
+
+@rule
+def etp_divides_expert_ffn(cfg: RunConfig) -> Optional[str]:
+    d = cfg.model.decoder
+    if d.moe_ffn_hidden_size % cfg.parallel.etp:
+        return (f"parallel.etp={cfg.parallel.etp} must divide "
+                f"model.decoder.moe_ffn_hidden_size={d.moe_ffn_hidden_size}")
+
+
+@rule
+def sp_needs_tp(cfg: RunConfig) -> Optional[str]:
+    if cfg.parallel.sp and cfg.parallel.tp == 1:
+        return "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the TP group)"
+
+
+@rule
+def moe_with_tp_needs_sp(cfg: RunConfig) -> Optional[str]:
+    if cfg.parallel.tp > 1 and not cfg.parallel.sp:
+        return (f"parallel.tp={cfg.parallel.tp} with MoE layers needs parallel.sp=true "
+                "(megatron-core's MoE layer raises during training otherwise)")
+
+
+@rule
+def cp_divides_sequence(cfg: RunConfig) -> Optional[str]:
+    seq, cp = cfg.model.seq_length, cfg.parallel.cp
+    if cp > 1 and seq % (2 * cp):
+        return (f"parallel.cp={cp} needs the decoder sequence length {seq} to be divisible by 2*cp={2 * cp} "
+                "(load-balanced causal chunks)")
+
+
+@rule
+def cp_needs_te(cfg: RunConfig) -> Optional[str]:
+    if cfg.parallel.cp > 1 and not _uses_te(cfg):
+        return (f"parallel.cp={cfg.parallel.cp} needs Transformer Engine attention "
+                "(megatron-core's local DotProductAttention supports cp=1 only)")
+
+
+@rule
+def fsdp_has_no_pipeline(cfg: RunConfig) -> Optional[str]:
+    if cfg.parallel.strategy == "fsdp" and cfg.parallel.pp > 1:
+        return f"parallel.pp={cfg.parallel.pp} with parallel=fsdp: Megatron-FSDP does not pipeline; use parallel=3d"
+
+
+@rule
+def gbs_divisible_by_mbs_dp(cfg: RunConfig) -> Optional[str]:
+    b, dp = cfg.batch, _dp(cfg)
+    if dp >= 1 and b.gbs % (b.mbs * dp):
+        return f"batch.gbs={b.gbs} must be divisible by batch.mbs*dp={b.mbs}*{dp}={b.mbs * dp}"
+
+
+# --- model shape -------------------------------------------------------------------------------------------
+
+@rule
+def spatial_merge_needs_even_grid(cfg: RunConfig) -> Optional[str]:
+    v = cfg.model.vision
+    grid = v.image_size // v.patch_size
+    if v.spatial_merge > 1 and grid % v.spatial_merge:
+        return (f"model.vision.spatial_merge={v.spatial_merge} must divide the patch grid side {grid} "
+                f"(model.vision.image_size / model.vision.patch_size)")
+
+
+# --- recompute ---------------------------------------------------------------------------------------------
+
+@rule
+def selective_needs_modules(cfg: RunConfig) -> Optional[str]:
+    r = cfg.recompute
+    if r.granularity == "selective" and not r.modules:
+        return "recompute.modules=[] with recompute=selective: name at least one module (e.g. core_attn)"
+    if r.granularity != "selective" and r.modules:
+        return f"recompute.modules={r.modules} applies to recompute=selective only, not {r.granularity}"
+
+
+@rule
+def full_recompute_fields(cfg: RunConfig) -> Optional[str]:
+    r = cfg.recompute
+    if r.granularity == "full" and (r.method is None or r.num_layers is None):
+        return "recompute=full needs recompute.method (uniform|block) and recompute.num_layers"
+    if r.granularity != "full" and (r.method is not None or r.num_layers is not None):
+        return f"recompute.method/recompute.num_layers apply to recompute=full only, not {r.granularity}"
+
+
+@rule
+def recompute_layers_fit_stage(cfg: RunConfig) -> Optional[str]:
+    r, p = cfg.recompute, cfg.parallel
+    per_chunk = cfg.model.decoder.num_layers // (p.pp * p.vpp)
+    if r.granularity == "full" and r.num_layers is not None and r.num_layers > per_chunk:
+        return (f"recompute.num_layers={r.num_layers} must be <= the {per_chunk} decoder layers of one pipeline "
+                "chunk")
+
+
+@rule
+def moe_act_recompute_needs_te(cfg: RunConfig) -> Optional[str]:
+    if "moe_act" in cfg.recompute.modules and not _uses_te(cfg):
+        return "recompute.modules contains moe_act, which needs TE grouped GEMM (train.transformer_impl=transformer_engine)"
+
+
+@rule
+def mla_recompute_needs_mla(cfg: RunConfig) -> Optional[str]:
+    if "mla_up_proj" in cfg.recompute.modules:
+        return "recompute.modules contains mla_up_proj, which needs multi-latent attention; these models use GQA"
+
+
+@rule
+def mlp_recompute_needs_dense_layers(cfg: RunConfig) -> Optional[str]:
+    if "mlp" in cfg.recompute.modules and _all_layers_moe(cfg):
+        return ("recompute.modules contains mlp, which recomputes dense MLPs; every layer is MoE "
+                "(model.decoder.moe_layer_freq=1): use moe or moe_act")
+
+
+@rule
+def shared_expert_recompute_needs_shared_experts(cfg: RunConfig) -> Optional[str]:
+    if "shared_experts" in cfg.recompute.modules and not cfg.model.decoder.moe_shared_expert_intermediate_size:
+        return ("recompute.modules contains shared_experts, but "
+                "model.decoder.moe_shared_expert_intermediate_size is not set")
+
+
+# --- CUDA graphs -------------------------------------------------------------------------------------------
+
+@rule
+def graph_modules_need_impl(cfg: RunConfig) -> Optional[str]:
+    g = cfg.cuda_graph
+    if g.impl == "none" and g.modules:
+        return f"cuda_graph.modules={g.modules} needs cuda_graph.impl local or transformer_engine, not none"
+
+
+@rule
+def full_iteration_takes_no_modules(cfg: RunConfig) -> Optional[str]:
+    g = cfg.cuda_graph
+    if g.impl == "full_iteration" and g.modules:
+        return f"cuda_graph.modules={g.modules} must be empty with cuda_graph.impl=full_iteration"
+
+
+@rule
+def full_iteration_cannot_capture_llava(cfg: RunConfig) -> Optional[str]:
+    if cfg.cuda_graph.impl == "full_iteration":
+        return ("cuda_graph.impl=full_iteration cannot capture LLaVAModel: its _preprocess_data calls .tolist() "
+                "(a host sync) inside the step; use cuda_graph=attn or a layer scope")
+
+
+@rule
+def graph_moe_scopes_exclusive(cfg: RunConfig) -> Optional[str]:
+    m = cfg.cuda_graph.modules
+    if "moe" in m and "moe_router" in m:
+        return "cuda_graph.modules contains both moe and moe_router; they are exclusive (moe graphs the router too)"
+
+
+@rule
+def graph_preprocess_needs_router(cfg: RunConfig) -> Optional[str]:
+    if "moe_preprocess" in cfg.cuda_graph.modules and "moe_router" not in cfg.cuda_graph.modules:
+        return "cuda_graph.modules contains moe_preprocess, which needs moe_router as well"
+
+
+@rule
+def graph_mlp_needs_dense_layers(cfg: RunConfig) -> Optional[str]:
+    if "mlp" in cfg.cuda_graph.modules and _all_layers_moe(cfg):
+        return "cuda_graph.modules contains mlp, but every layer is MoE (model.decoder.moe_layer_freq=1): use moe"
+
+
+@rule
+def graph_mamba_needs_mamba(cfg: RunConfig) -> Optional[str]:
+    if "mamba" in cfg.cuda_graph.modules:
+        return "cuda_graph.modules contains mamba, but these decoders have no Mamba layers"
+
+
+@rule
+def graph_moe_needs_drop_and_pad(cfg: RunConfig) -> Optional[str]:
+    if "moe" in cfg.cuda_graph.modules and not _drop_and_pad(cfg):
+        return ("cuda_graph.modules contains moe, which needs drop-and-pad (static shapes): set "
+                "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
+
+
+@rule
+def graph_preprocess_vs_alltoall_capacity(cfg: RunConfig) -> Optional[str]:
+    d = cfg.dispatcher
+    if ("moe_preprocess" in cfg.cuda_graph.modules and d.token_dispatcher == "alltoall"
+            and d.capacity_factor is not None):
+        return (f"cuda_graph.modules contains moe_preprocess, which megatron-core rejects for dispatcher=alltoall "
+                f"with dispatcher.capacity_factor={d.capacity_factor}")
+
+
+@rule
+def local_graphs_need_drop_and_pad(cfg: RunConfig) -> Optional[str]:
+    if cfg.cuda_graph.impl == "local" and not _drop_and_pad(cfg):
+        return ("cuda_graph.impl=local cannot capture dropless MoE (cudaErrorCapturedEvent in the dispatcher): set "
+                "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
+
+
+@rule
+def full_recompute_only_with_full_iteration(cfg: RunConfig) -> Optional[str]:
+    if cfg.recompute.granularity == "full" and cfg.cuda_graph.impl in ("local", "transformer_engine"):
+        return (f"recompute=full with cuda_graph.impl={cfg.cuda_graph.impl}: megatron-core allows full recompute "
+                "only with full_iteration graphs; use recompute=selective or cuda_graph=none")
+
+
+@rule
+def moe_recompute_excludes_router_graph(cfg: RunConfig) -> Optional[str]:
+    if (cfg.cuda_graph.impl == "transformer_engine" and "moe" in cfg.recompute.modules
+            and "moe_router" in cfg.cuda_graph.modules):
+        return ("recompute.modules contains moe while cuda_graph.modules contains moe_router: a recomputed MoE "
+                "block cannot hold a TE-graphed router")
+
+
+@rule
+def graph_warmup_within_warmup(cfg: RunConfig) -> Optional[str]:
+    g, t = cfg.cuda_graph, cfg.train
+    if g.impl != "none" and g.warmup_steps > t.warmup_steps:
+        return (f"cuda_graph.warmup_steps={g.warmup_steps} must be <= train.warmup_steps={t.warmup_steps}, "
+                "so that capture never falls inside the timed steps")
+
+
+@rule
+def graph_capture_not_yet_supported(cfg: RunConfig) -> Optional[str]:
+    if cfg.cuda_graph.impl in ("local", "transformer_engine"):
+        return (f"cuda_graph.impl={cfg.cuda_graph.impl}: graph capture of LLaVAModel is not implemented in the "
+                "worker yet (TECudaGraphHelper does not find LLaVA's decoder layers); use cuda_graph=none")
+
+
+# --- MoE dispatcher ----------------------------------------------------------------------------------------
+
+@rule
+def flex_needs_backend(cfg: RunConfig) -> Optional[str]:
+    d = cfg.dispatcher
+    if d.token_dispatcher == "flex" and d.flex_backend is None:
+        return "dispatcher.token_dispatcher=flex needs dispatcher.flex_backend (deepep|hybridep)"
+    if d.token_dispatcher != "flex" and d.flex_backend is not None:
+        return f"dispatcher.flex_backend={d.flex_backend} applies to the flex dispatcher only, not {d.token_dispatcher}"
+
+
+@rule
+def flex_needs_gpu(cfg: RunConfig) -> Optional[str]:
+    if cfg.dispatcher.token_dispatcher == "flex" and cfg.hardware.device == "cpu":
+        return f"dispatcher={cfg.dispatcher.name} runs DeepEP CUDA kernels; it needs GPU hardware, not hardware=cpu"
+
+
+@rule
+def deepep_needs_model_parallel(cfg: RunConfig) -> Optional[str]:
+    d, p = cfg.dispatcher, cfg.parallel
+    if d.flex_backend == "deepep" and p.tp * p.ep == 1:
+        return f"dispatcher=flex_deepep needs parallel.tp*ep > 1 (got tp={p.tp}, ep={p.ep})"
+
+
+@rule
+def pad_needs_capacity(cfg: RunConfig) -> Optional[str]:
+    d = cfg.dispatcher
+    if d.pad_to_capacity and d.capacity_factor is None:
+        return "dispatcher.pad_to_capacity=true needs dispatcher.capacity_factor"

@@ -1,0 +1,154 @@
+"""Every validation rule rejects a config that breaks it: exit 2, the knob named, nothing launched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from moe_vlm_sweep.cli import EXIT_INVALID, main
+from moe_vlm_sweep.plan.rules import RULES
+
+T2 = ["launcher=torchrun", "launcher.nproc_per_node=2"]
+GPU = ["hardware=h200"]
+
+# rule name -> (overrides, text the error must contain)
+CASES: dict[str, tuple[list[str], str]] = {
+    "local_launcher_is_one_process": (["launcher.nproc_per_node=2"], "launcher.nproc_per_node=2 with launcher.nnodes=1"),
+    "processes_fit_the_node": (["launcher=torchrun", "launcher.nproc_per_node=8"],
+                               "launcher.nproc_per_node=8 must be <= hardware.gpus_per_node=4"),
+    "te_needs_gpu": (["train.transformer_impl=transformer_engine"], "train.transformer_impl=transformer_engine needs GPU"),
+    "cuda_graphs_need_gpu": (["cuda_graph=attn"], "cuda_graph.impl=transformer_engine needs GPU hardware"),
+    "fusions_need_gpu": (["fusions=on"], "fusions.bias_dropout=true needs GPU hardware"),
+    "dense_layout_divides_world": (["launcher=torchrun", "launcher.nproc_per_node=3", "parallel=3d", "parallel.tp=2",
+                                    "parallel.sp=true"], "parallel.tp*pp*cp=2*1*1=2 must divide the world size 3"),
+    "expert_layout_divides_world": ([*T2, "parallel.ep=4"], "parallel.etp*ep*pp=1*4*1=4 must divide the world size 2"),
+    "tp_divides_heads": ([*GPU, "launcher=torchrun", "launcher.nproc_per_node=8", "parallel=3d", "parallel.tp=8",
+                          "parallel.sp=true"], "parallel.tp=8 must divide model.decoder.num_attention_heads=4"),
+    "tp_divides_query_groups": ([*GPU, "launcher=torchrun", "launcher.nproc_per_node=4", "parallel=3d", "parallel.tp=4",
+                                 "parallel.sp=true"], "parallel.tp=4 must divide model.decoder.num_query_groups=2"),
+    "tp_divides_vision_heads": ([*T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true",
+                                 "model.vision.num_attention_heads=1"],
+                                "parallel.tp=2 must divide model.vision.num_attention_heads=1"),
+    "pp_divides_layers": (["launcher=torchrun", "launcher.nproc_per_node=3", "parallel=3d", "parallel.pp=3"],
+                          "parallel.pp*vpp=3*1 must divide model.decoder.num_layers=2"),
+    "vpp_needs_pp": (["parallel=3d", "parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp > 1"),
+    "ep_divides_experts": (["model=small", "parallel.ep=3"], "parallel.ep=3 must divide model.decoder.num_experts=16"),
+    "etp_divides_expert_ffn": ([*T2, "parallel=3d", "parallel.etp=2", "model.decoder.moe_ffn_hidden_size=63"],
+                               "parallel.etp=2 must divide model.decoder.moe_ffn_hidden_size=63"),
+    "sp_needs_tp": (["parallel.sp=true"], "parallel.sp=true needs parallel.tp > 1"),
+    "moe_with_tp_needs_sp": ([*T2, "parallel=3d", "parallel.tp=2"], "parallel.tp=2 with MoE layers needs parallel.sp=true"),
+    "cp_divides_sequence": ([*GPU, *T2, "parallel=3d", "parallel.cp=2", "model.text_tokens=66"],
+                            "parallel.cp=2 needs the decoder sequence length 81 to be divisible by 2*cp=4"),
+    "cp_needs_te": ([*T2, "parallel=3d", "parallel.cp=2"], "parallel.cp=2 needs Transformer Engine attention"),
+    "fsdp_has_no_pipeline": ([*T2, "parallel=fsdp", "parallel.pp=2"], "parallel.pp=2 with parallel=fsdp"),
+    "gbs_divisible_by_mbs_dp": (["batch.mbs=3", "batch.gbs=4"], "batch.gbs=4 must be divisible by batch.mbs*dp=3*1=3"),
+    "spatial_merge_needs_even_grid": (["model.vision.spatial_merge=2", "model.vision.image_size=42"],
+                                      "model.vision.spatial_merge=2 must divide the patch grid side 3"),
+    "selective_needs_modules": (["recompute=selective", "recompute.modules=[]"],
+                                "recompute.modules=[] with recompute=selective"),
+    "full_recompute_fields": (["recompute=full", "recompute.method=null"], "recompute=full needs recompute.method"),
+    "recompute_layers_fit_stage": (["recompute=full", "recompute.num_layers=3"],
+                                   "recompute.num_layers=3 must be <= the 2 decoder layers"),
+    "moe_act_recompute_needs_te": (["recompute=selective", "recompute.modules=[moe_act]"],
+                                   "moe_act, which needs TE grouped GEMM"),
+    "mla_recompute_needs_mla": (["recompute=selective", "recompute.modules=[mla_up_proj]"],
+                                "mla_up_proj, which needs multi-latent attention"),
+    "mlp_recompute_needs_dense_layers": (["recompute=selective", "recompute.modules=[mlp]"],
+                                         "contains mlp, which recomputes dense MLPs"),
+    "shared_expert_recompute_needs_shared_experts": (["recompute=selective", "recompute.modules=[shared_experts]"],
+                                                     "moe_shared_expert_intermediate_size is not set"),
+    "graph_modules_need_impl": (["cuda_graph.modules=[attn]"], "cuda_graph.modules=['attn'] needs cuda_graph.impl"),
+    "full_iteration_takes_no_modules": ([*GPU, "cuda_graph=full_iteration", "cuda_graph.modules=[attn]"],
+                                        "must be empty with cuda_graph.impl=full_iteration"),
+    "full_iteration_cannot_capture_llava": ([*GPU, "cuda_graph=full_iteration"],
+                                            "cuda_graph.impl=full_iteration cannot capture LLaVAModel"),
+    "graph_moe_scopes_exclusive": ([*GPU, "cuda_graph=attn", "cuda_graph.modules=[moe,moe_router]"],
+                                   "both moe and moe_router"),
+    "graph_preprocess_needs_router": ([*GPU, "cuda_graph=attn", "cuda_graph.modules=[attn,moe_preprocess]"],
+                                      "moe_preprocess, which needs moe_router"),
+    "graph_mlp_needs_dense_layers": ([*GPU, "cuda_graph=attn", "cuda_graph.modules=[mlp]"],
+                                     "contains mlp, but every layer is MoE"),
+    "graph_mamba_needs_mamba": ([*GPU, "cuda_graph=attn", "cuda_graph.modules=[mamba]"], "no Mamba layers"),
+    "graph_moe_needs_drop_and_pad": ([*GPU, "cuda_graph=attn", "cuda_graph.modules=[moe]"],
+                                     "contains moe, which needs drop-and-pad"),
+    "graph_preprocess_vs_alltoall_capacity": ([*GPU, "cuda_graph=attn_moe_router_preprocess",
+                                               "dispatcher.capacity_factor=1.0"],
+                                              "rejects for dispatcher=alltoall with dispatcher.capacity_factor=1.0"),
+    "local_graphs_need_drop_and_pad": ([*GPU, "cuda_graph=layer_local"], "cuda_graph.impl=local cannot capture dropless"),
+    "full_recompute_only_with_full_iteration": ([*GPU, "cuda_graph=attn", "recompute=full"],
+                                                "recompute=full with cuda_graph.impl=transformer_engine"),
+    "moe_recompute_excludes_router_graph": ([*GPU, "cuda_graph=attn_moe_router", "recompute=selective",
+                                             "recompute.modules=[moe]"], "a recomputed MoE block"),
+    "graph_warmup_within_warmup": ([*GPU, "cuda_graph=attn", "cuda_graph.warmup_steps=5", "train.warmup_steps=2"],
+                                   "cuda_graph.warmup_steps=5 must be <= train.warmup_steps=2"),
+    "graph_capture_not_yet_supported": ([*GPU, "cuda_graph=attn"], "graph capture of LLaVAModel is not implemented"),
+    "flex_needs_backend": (["dispatcher.token_dispatcher=flex"], "needs dispatcher.flex_backend"),
+    "flex_needs_gpu": (["dispatcher=flex_deepep"], "dispatcher=flex_deepep runs DeepEP CUDA kernels"),
+    "deepep_needs_model_parallel": ([*GPU, "dispatcher=flex_deepep"], "dispatcher=flex_deepep needs parallel.tp*ep > 1"),
+    "pad_needs_capacity": (["dispatcher.pad_to_capacity=true"], "dispatcher.pad_to_capacity=true needs"),
+}
+
+# Field rules, checked by each group's __post_init__ at composition.
+FIELD_CASES = [
+    (["batch.mbs=0"], "batch.mbs=0 must be > 0"),
+    (["model.decoder.moe_router_topk=8"], "model.decoder.moe_router_topk=8 must be <= model.decoder.num_experts=4"),
+    (["model.vision.image_size=50"], "model.vision.image_size=50 must be a multiple of model.vision.patch_size=14"),
+    (["recompute.modules=[foo]"], "recompute.modules='foo' must be one of"),
+    (["data.min_text_fraction=0"], "data.min_text_fraction=0.0 must be in (0, 1]"),
+    (["model.decoder.num_query_groups=3"], "model.decoder.num_query_groups=3 must divide"),
+    (["parallel.fsdp_sharding=full"], "parallel.fsdp_sharding='full' must be one of"),
+    (["batch.mbz=1"], "Could not override 'batch.mbz'"),
+    (["+batch.foo=1"], "unknown config key(s): batch.foo"),
+    (["model=nope"], "Could not find 'model/nope'"),
+    (["parallel.tp=two"], "parallel.tp=two"),
+]
+
+
+def test_every_rule_has_a_case():
+    assert set(CASES) == {r.__name__ for r in RULES}
+    assert len(CASES) >= 25
+
+
+def _check(capsys, overrides):
+    code = main(["check", *overrides])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_rejects(name, capsys):
+    overrides, expected = CASES[name]
+    code, err = _check(capsys, overrides)
+    assert code == EXIT_INVALID
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("overrides,expected", FIELD_CASES, ids=[" ".join(o) for o, _ in FIELD_CASES])
+def test_field_rule_rejects(overrides, expected, capsys):
+    code, err = _check(capsys, overrides)
+    assert code == EXIT_INVALID
+    assert expected in err, err
+
+
+def test_all_broken_rules_are_listed_together(capsys):
+    code, err = _check(capsys, ["model=small", "parallel.ep=3", "batch.mbs=3", "batch.gbs=4"])
+    assert code == EXIT_INVALID
+    assert "parallel.ep=3 must divide model.decoder.num_experts=16" in err
+    assert "batch.gbs=4 must be divisible by batch.mbs*dp=3*1=3" in err
+
+
+@pytest.mark.parametrize("overrides", [["parallel.ep=3"], ["batch.mbz=1"], ["batch.mbs=0"]])
+def test_invalid_run_launches_nothing(overrides, tmp_path, capsys):
+    assert main(["run", *overrides, f"outputs_dir={tmp_path}"]) == EXIT_INVALID
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_rejects_fast_without_importing_torch(tmp_path):
+    """`check` runs on a login node: it must not pull in torch or megatron (seconds of import)."""
+    code = ("import sys; from moe_vlm_sweep.cli import main; rc = main(['check', 'model=small', 'parallel.ep=3']); "
+            "heavy = [m for m in ('torch', 'megatron', 'mlflow', 'optuna') if m in sys.modules]; "
+            "assert not heavy, heavy; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_INVALID, proc.stderr
+    assert "parallel.ep=3 must divide model.decoder.num_experts=16" in proc.stderr
