@@ -39,6 +39,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                                "parallel.etp=2 must divide model.decoder.moe_ffn_hidden_size=63"),
     "sp_needs_tp": (["parallel.sp=true"], "parallel.sp=true needs parallel.tp > 1"),
     "moe_with_tp_needs_sp": ([*T2, "parallel=3d", "parallel.tp=2"], "parallel.tp=2 with MoE layers needs parallel.sp=true"),
+    "sp_needs_uniform_layers": ([*T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true", "model.decoder.moe_layer_freq=2"],
+                                "model.decoder.moe_layer_freq=2 with parallel.sp/cp"),
     "cp_divides_sequence": ([*GPU, *T2, "parallel=3d", "parallel.cp=2", "model.text_tokens=66"],
                             "parallel.cp=2 needs the decoder sequence length 81 to be divisible by 2*cp=4"),
     "cp_needs_te": ([*T2, "parallel=3d", "parallel.cp=2"], "parallel.cp=2 needs Transformer Engine attention"),

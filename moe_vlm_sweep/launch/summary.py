@@ -7,6 +7,22 @@ from moe_vlm_sweep.launch.result import RunResult
 
 def summarize(result: RunResult) -> str:
     if not result.ok:
-        return (f"FAILED ({result.status}): {result.reason}\n"
-                f"  see {result.run_dir}/worker.log")
-    return f"ok in {result.wall_s:.1f} s: {result.run_dir}/metrics.json"
+        return f"FAILED ({result.status}): {result.reason}\n  see {result.run_dir}/worker.log"
+    m = result.metrics
+    st, loss = m["step_time_s"], m["loss"]["values"]
+    rows = [
+        ("step time", f"{st['median'] * 1e3:.1f} ms median (p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
+                      f"CV {st['cv'] * 100:.1f}%, {len(st['steps'])} steps)"),
+        ("tokens/s/GPU", f"{m['effective_tokens_per_s_per_gpu']:.0f} effective, {m['tokens_per_s_per_gpu']:.0f} padded"),
+        ("TFLOP/s/GPU", f"{m['model_tflops_per_s_per_gpu']:.3f} useful -> MFU {m['mfu'] * 100:.2f}% "
+                        f"(HFU {m['hfu'] * 100:.2f}%, peak {m['peak_tflops']:.2f} {m['peak_source']})"),
+        ("peak memory", f"{m['peak_memory_gib']:.2f} GiB ({m['peak_memory_source']})"),
+        ("loss", f"{loss[0]:.4f} -> {loss[-1]:.4f}"),
+        ("data realism", m["data_realism"]),
+    ]
+    split = m.get("component_split")
+    if split:
+        rows.append(("split", ", ".join(f"{k} {v * 100:.0f}%" for k, v in split["shares"].items())))
+    width = max(len(k) for k, _ in rows)
+    body = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+    return f"ok in {result.wall_s:.1f} s: {result.run_dir}/metrics.json\n{body}"

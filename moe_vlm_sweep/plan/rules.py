@@ -173,6 +173,14 @@ def moe_with_tp_needs_sp(cfg: RunConfig) -> Optional[str]:
 
 
 @rule
+def sp_needs_uniform_layers(cfg: RunConfig) -> Optional[str]:
+    freq = cfg.model.decoder.moe_layer_freq
+    if (cfg.parallel.sp or cfg.parallel.cp > 1) and freq > 1:
+        return (f"model.decoder.moe_layer_freq={freq} with parallel.sp/cp: megatron-core's LLaVA checks a single "
+                "layer spec under sequence or context parallelism, and mixed dense/MoE layers need a block spec")
+
+
+@rule
 def cp_divides_sequence(cfg: RunConfig) -> Optional[str]:
     seq, cp = cfg.model.seq_length, cfg.parallel.cp
     if cp > 1 and seq % (2 * cp):

@@ -1,0 +1,187 @@
+"""The worker's result files: ``metrics.json`` (a finished run) and ``failure.json`` (a failed one).
+
+Both are versioned dataclasses with a docstring per field, written atomically (tmp file in the same folder, then
+``os.replace``) so a reader never mistakes a half-written file for a result. This module imports neither torch
+nor megatron, so the sweep side can read results cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+SCHEMA_VERSION = 1
+METRICS_FILE = "metrics.json"
+FAILURE_FILE = "failure.json"
+FAILURE_CLASSES = ("oom", "invalid", "crash", "timeout", "nan")
+COMPONENTS = ("vision_encoder", "projector", "decoder")
+
+
+@dataclass(kw_only=True)
+class StepTimes:
+    """Steady-state optimizer-step times in seconds over the measured steps (warmup excluded)."""
+
+    median: float
+    p10: float
+    p90: float
+    mean: float
+    cv: float
+    """Coefficient of variation (std / mean): how noisy the measurement is."""
+    steps: list[float]
+    """Every measured step's time, in order."""
+
+
+@dataclass(kw_only=True)
+class ComponentFlops:
+    """FLOPs of one optimizer step over the whole world (all ranks, all micro-batches)."""
+
+    model: float
+    """Useful FLOPs: forward 1x, backward 2x (1x or 0 for frozen modules), no recompute (the MFU numerator)."""
+    hardware: float
+    """FLOPs executed: ``model`` plus recomputed forwards (the HFU numerator)."""
+
+
+@dataclass(kw_only=True)
+class ComponentSplit:
+    """Mean time per step of each phase, measured in the separate profiling steps (synchronizing hooks)."""
+
+    seconds: dict[str, float]
+    """Phase -> seconds: ``<component>.forward``, ``<component>.backward``, ``grad_sync``, ``optimizer``,
+    ``other`` (data, schedule, pipeline communication, glue between modules)."""
+    shares: dict[str, float]
+    """Phase -> fraction of the profiled step time (sums to 1)."""
+    profile_steps: int
+    measured_on: str
+    """Which rank's modules the split covers (rank 0: the first pipeline stage under PP)."""
+
+
+@dataclass(kw_only=True)
+class Loss:
+    """Loss of every step (warmup included), averaged over the step's real (loss-mask) tokens."""
+
+    values: list[float]
+    phases: list[str]
+    """Per step: ``warmup``, ``measured`` or ``profile``."""
+
+
+@dataclass(kw_only=True)
+class Metrics:
+    """``metrics.json``: one successful run."""
+
+    schema_version: int = SCHEMA_VERSION
+    status: str = "ok"
+    data_realism: str
+    """``data.realism`` of the run; results of different realism are never ranked together."""
+    hardware: str
+    """``hardware.name``."""
+    device: str
+    layout: dict[str, Any]
+    """The resolved layout (RunPlan.layout) plus strategy, micro-batches and batch sizes."""
+    step_time_s: StepTimes
+    tokens_per_s: float
+    """Padded decoder tokens per second over the world (what the model computes on)."""
+    tokens_per_s_per_gpu: float
+    effective_tokens_per_s: float
+    """Real (non-padding) decoder tokens per second over the world."""
+    effective_tokens_per_s_per_gpu: float
+    padded_tokens_per_step: int
+    real_tokens_per_step: int
+    flops_per_step: dict[str, ComponentFlops]
+    """Component (``vision_encoder``, ``projector``, ``decoder``, ``total``) -> FLOPs per step."""
+    model_tflops_per_s_per_gpu: float
+    """Useful TFLOP/s per GPU (or per CPU worker process)."""
+    hardware_tflops_per_s_per_gpu: float
+    mfu: float
+    """Useful FLOP/s per GPU over ``peak_tflops``."""
+    hfu: float
+    """Executed FLOP/s per GPU (recompute included) over ``peak_tflops``."""
+    peak_tflops: float
+    peak_source: str
+    """``datasheet`` (hardware.peak_bf16_tflops) or ``measured_matmul`` (a matmul timed at start, on the CPU)."""
+    peak_memory_gib: float
+    """Max over ranks: torch.cuda.max_memory_allocated on GPU, peak RSS of the process on the CPU."""
+    peak_memory_source: str
+    predicted_peak_memory_gib: Optional[float] = None
+    """The planner's prediction, when it has one."""
+    loss: Loss
+    component_split: Optional[ComponentSplit] = None
+    """None when train.profile_steps is 0."""
+    accounting_notes: list[str] = field(default_factory=list)
+    """The simplifications the FLOPs and token accounting still makes, said plainly."""
+
+
+@dataclass(kw_only=True)
+class Failure:
+    """``failure.json``: why a run stopped."""
+
+    schema_version: int = SCHEMA_VERSION
+    status: str = "failed"
+    failure_class: str
+    """One of FAILURE_CLASSES; ``invalid`` is a preflight refusal, not a crash."""
+    exception_type: str
+    message: str
+    rank: int
+    step: Optional[int]
+    """The step being run (None before training started)."""
+    traceback: str
+
+    def __post_init__(self) -> None:
+        if self.failure_class not in FAILURE_CLASSES:
+            raise ValueError(f"failure_class={self.failure_class!r} must be one of {', '.join(FAILURE_CLASSES)}")
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` so that ``path`` either does not exist or holds the whole file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_metrics(run_dir: Path, metrics: Metrics) -> Path:
+    path = Path(run_dir) / METRICS_FILE
+    write_json_atomic(path, dataclasses.asdict(metrics))
+    return path
+
+
+def write_failure(run_dir: Path, failure: Failure) -> Path:
+    path = Path(run_dir) / FAILURE_FILE
+    write_json_atomic(path, dataclasses.asdict(failure))
+    return path
+
+
+def _check_version(data: dict[str, Any], path: Path) -> None:
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+
+
+def read_metrics(run_dir: Path) -> Metrics:
+    path = Path(run_dir) / METRICS_FILE
+    data = json.loads(path.read_text())
+    _check_version(data, path)
+    data["step_time_s"] = StepTimes(**data["step_time_s"])
+    data["loss"] = Loss(**data["loss"])
+    data["flops_per_step"] = {k: ComponentFlops(**v) for k, v in data["flops_per_step"].items()}
+    if data.get("component_split") is not None:
+        data["component_split"] = ComponentSplit(**data["component_split"])
+    return Metrics(**data)
+
+
+def read_failure(run_dir: Path) -> Failure:
+    path = Path(run_dir) / FAILURE_FILE
+    data = json.loads(path.read_text())
+    _check_version(data, path)
+    return Failure(**data)

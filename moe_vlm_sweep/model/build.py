@@ -1,0 +1,160 @@
+"""RunPlan -> megatron-core TransformerConfigs, layer specs and LLaVAModel chunks.
+
+Three configs, as Megatron-LM's ``pretrain_vlm.py`` builds them: the MoE decoder carries the parallel layout and
+every performance knob; the CLIP ViT and the projector run dense on the first pipeline stage (PP=1 in their
+configs). Needs ``initialize_model_parallel`` to have run; returns one chunk per virtual pipeline stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.models.multimodal.llava_model import LLaVAModel
+from megatron.core.models.vision.vit_layer_specs import (
+    get_vit_layer_with_local_spec,
+    get_vit_layer_with_transformer_engine_spec,
+)
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from moe_vlm_sweep.config.schema import RunConfig
+from moe_vlm_sweep.data.synthetic import IMAGE_TOKEN_INDEX
+from moe_vlm_sweep.plan.plan import RunPlan
+
+
+def decoder_config(plan: RunPlan) -> TransformerConfig:
+    """The MoE decoder's config: layout, MoE, recompute, dispatcher, fusions, precision, CUDA-graph knobs."""
+    cfg = plan.run_config
+    d, p, rc, disp, cg, fu = cfg.model.decoder, plan.layout, cfg.recompute, cfg.dispatcher, cfg.cuda_graph, plan.fusions
+    te = plan.transformer_impl == "transformer_engine"
+    bf16 = plan.precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=d.num_layers, hidden_size=d.hidden_size, num_attention_heads=d.num_attention_heads,
+        num_query_groups=d.num_query_groups, kv_channels=d.head_dim, ffn_hidden_size=d.ffn_hidden_size,
+        normalization=d.normalization, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None, context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp, sequence_parallel=p.sp,
+        num_moe_experts=d.num_experts, moe_router_topk=d.moe_router_topk, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=d.moe_shared_expert_intermediate_size,
+        moe_layer_freq=d.moe_layer_freq, moe_aux_loss_coeff=d.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if d.moe_aux_loss_coeff > 0 else "none",
+        moe_grouped_gemm=te, moe_token_dispatcher_type=disp.token_dispatcher,
+        **({"moe_flex_dispatcher_backend": disp.flex_backend} if disp.flex_backend else {}),
+        moe_expert_capacity_factor=disp.capacity_factor, moe_pad_expert_input_to_capacity=disp.pad_to_capacity,
+        recompute_granularity=None if rc.granularity == "none" else rc.granularity,
+        recompute_method=rc.method if rc.granularity == "full" else None,
+        recompute_num_layers=(rc.num_layers or 1) if rc.granularity == "full" else None,
+        recompute_modules=(rc.modules or ["core_attn"]) if rc.granularity == "selective" else None,
+        bias_dropout_fusion=fu["bias_dropout"], apply_rope_fusion=fu["rope"],
+        masked_softmax_fusion=fu["masked_softmax"], moe_permute_fusion=fu["moe_permute"],
+        cross_entropy_loss_fusion=fu["cross_entropy"], gradient_accumulation_fusion=fu["gradient_accumulation"],
+        cuda_graph_impl=cg.impl, cuda_graph_modules=list(cg.modules), cuda_graph_warmup_steps=cg.warmup_steps,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        # Per-token loss: the schedule sums (loss, tokens) over micro-batches and finalize_model_grads divides the
+        # gradients by the step's real-token count, so the loss is averaged over real tokens, not micro-batches.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=plan.device == "cpu",
+        variable_seq_lengths=False,
+    )
+
+
+def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
+    """A dense, unpipelined sibling of the decoder config (the ViT and the projector live on stage 0)."""
+    moe_off = dict(num_moe_experts=None, moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
+                   moe_grouped_gemm=False, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                   moe_ffn_hidden_size=None, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+                   expert_model_parallel_size=1, expert_tensor_parallel_size=base.tensor_model_parallel_size,
+                   moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+                   moe_permute_fusion=False)
+    pipeline_off = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                        sequence_parallel=False, context_parallel_size=1)
+    no_extras = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                     recompute_modules=None, cuda_graph_impl="none", cuda_graph_modules=[])
+    kwargs = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    kwargs.update(moe_off, **pipeline_off, **no_extras, **fields)
+    kwargs.pop("cuda_graph_scope", None)
+    return TransformerConfig(**kwargs)
+
+
+def vision_config(plan: RunPlan, base: TransformerConfig) -> TransformerConfig:
+    v = plan.run_config.model.vision
+    config = _dense_copy(base, num_layers=v.num_layers, hidden_size=v.hidden_size,
+                         num_attention_heads=v.num_attention_heads, num_query_groups=v.num_attention_heads,
+                         kv_channels=v.hidden_size // v.num_attention_heads, ffn_hidden_size=v.ffn_hidden_size,
+                         normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
+                         add_bias_linear=True, add_qkv_bias=True, apply_rope_fusion=False)
+    config.vision_model_type = v.kind  # read by LLaVAModel to pick CLIP or SigLIP
+    return config
+
+
+def projector_config(plan: RunPlan, base: TransformerConfig) -> TransformerConfig:
+    pr = plan.run_config.model.projector
+    return _dense_copy(base, ffn_hidden_size=pr.ffn_hidden_size or base.hidden_size, gated_linear_unit=False,
+                       activation_func=F.gelu, add_bias_linear=True)
+
+
+def _decoder_spec(plan: RunPlan, config: TransformerConfig, vp_stage: Optional[int]):
+    d = plan.run_config.model.decoder
+    te = plan.transformer_impl == "transformer_engine"
+    if d.moe_layer_freq == 1:  # one layer spec for all layers (LLaVA's SP check needs a layer spec)
+        make = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
+        return make(num_experts=d.num_experts, moe_grouped_gemm=te, normalization=d.normalization)
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=d.normalization,
+                                      vp_stage=vp_stage)
+
+
+def _projector_spec(te: bool) -> MLPSubmodules:
+    if te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+        return MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
+    """One LLaVAModel per virtual pipeline stage of this rank; encoder on the first stage, loss on the last."""
+    cfg: RunConfig = plan.run_config
+    m, te = cfg.model, plan.transformer_impl == "transformer_engine"
+    if not te:
+        from moe_vlm_sweep.train.cpu_compat import use_torch_norm_in_clip
+
+        use_torch_norm_in_clip()
+    lm = decoder_config(plan)
+    vis, proj = vision_config(plan, lm), projector_config(plan, lm)
+    vit_spec = get_vit_layer_with_transformer_engine_spec() if te else get_vit_layer_with_local_spec()
+    vpp = plan.layout.vpp
+    chunks = []
+    for vp_stage in range(vpp) if vpp > 1 else [None]:
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = LLaVAModel(
+            language_transformer_config=lm, language_transformer_layer_spec=_decoder_spec(plan, lm, vp_stage),
+            language_vocab_size=m.decoder.vocab_size, language_max_sequence_length=plan.seq_length,
+            vision_transformer_config=vis, vision_transformer_layer_spec=vit_spec,
+            drop_vision_class_token=m.vision.kind == "clip", vision_projection_config=proj,
+            vision_projection_layer_spec=_projector_spec(te), vision_projection_type=m.projector.kind,
+            parallel_output=True, language_position_embedding_type="rope",
+            language_rotary_base=m.decoder.rotary_base, pre_process=first, post_process=last,
+            add_encoder=first, add_decoder=True, img_h=m.vision.image_size, img_w=m.vision.image_size,
+            patch_dim=m.vision.patch_size, image_token_index=IMAGE_TOKEN_INDEX,
+            pixel_shuffle=m.vision.spatial_merge == 2, vp_stage=vp_stage,
+        )
+        model.freeze(freeze_language_model=False, freeze_vision_model=cfg.vision.freeze_encoder,
+                     freeze_vision_projection=cfg.vision.freeze_projector)
+        model.model_type = ModelType.encoder_or_decoder  # the pipeline schedules raise without it
+        chunks.append(model)
+    return chunks

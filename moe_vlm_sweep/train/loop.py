@@ -1,0 +1,245 @@
+"""Warmup, measured and profiling steps of one run, with real gradient accumulation through megatron's schedules.
+
+Per step: zero the grad buffers and the optimizer, run ``get_forward_backward_func()`` over ``num_microbatches``
+(PP=1, PP>1 and interleaved VPP alike), ``optimizer.step()``. Measured steps carry no hooks and no extra syncs
+beyond one at the end of the step; the per-component split comes from separate profiling steps afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    FullyShardedDataParallel,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from moe_vlm_sweep.data.synthetic import MicroBatch, SyntheticImages
+from moe_vlm_sweep.plan.plan import RunPlan
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite (failure class ``nan``)."""
+
+
+@dataclass
+class TrainResult:
+    step_times: list[float] = field(default_factory=list)
+    """Measured steps only."""
+    losses: list[float] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    real_tokens_per_step: int = 0
+    """Over the world (summed over data-parallel ranks), of the last step."""
+    padded_tokens_per_step: int = 0
+    split_seconds: Optional[dict[str, float]] = None
+    """Mean seconds per profiling step per phase, or None without profiling steps."""
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):
+    """Data-parallel wrapping (Megatron DDP or Megatron-FSDP) and the distributed Megatron optimizer."""
+    cfg = plan.run_config
+    config = chunks[0].config
+    bf16, fsdp = plan.precision == "bf16", cfg.parallel.strategy == "fsdp"
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        overlap_param_gather=False, use_megatron_fsdp=fsdp,
+        data_parallel_sharding_strategy=cfg.parallel.fsdp_sharding if fsdp else "no_shard",
+        gradient_reduce_div_fusion=plan.device == "cuda",  # gloo has no PREMUL_SUM
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else torch.device("cpu")
+    models = []
+    for i, chunk in enumerate(chunks):
+        chunk.to(device)
+        module = Float16Module(config, chunk) if bf16 else chunk
+        if fsdp:
+            models.append(FullyShardedDataParallel(config, ddp_config, module, device=device))
+        else:  # later chunks of an interleaved pipeline share the first chunk's bucketing (as Megatron-LM does)
+            models.append(DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cfg.train.lr, weight_decay=0.0, clip_grad=1.0, bf16=bf16,
+                        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True),
+        models,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return models, optimizer
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Sum of per-token losses over real tokens and their count; megatron divides by the step's total count."""
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(output.float().reshape(-1) * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+
+def _forward_step(device: str, image_dtype: torch.dtype, data_iterator, model):
+    mb: MicroBatch = next(data_iterator).to(device, image_dtype)
+    output, loss_mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
+                              attention_mask=None, labels=mb.labels, loss_mask=mb.loss_mask)
+    return output, partial(_loss_func, loss_mask)
+
+
+class _PhaseClock:
+    """Marks when each phase starts (synchronizing first); a phase lasts until the next mark."""
+
+    def __init__(self, device: str):
+        self.device, self.events = device, []
+
+    def mark(self, phase: str) -> None:
+        _sync(self.device)
+        self.events.append((time.perf_counter(), phase))
+
+    def seconds(self) -> dict[str, float]:
+        """Per phase, seconds summed over profiling steps; the gap after each step's ``end`` mark is dropped."""
+        totals: dict[str, float] = {}
+        for (t0, phase), (t1, _) in zip(self.events, self.events[1:]):
+            if phase != "end":
+                totals[phase] = totals.get(phase, 0.0) + t1 - t0
+        return totals
+
+
+def _hook_components(chunks, clock: _PhaseClock) -> list:
+    """Forward pre/post hooks and output-gradient hooks on the three components of every local chunk."""
+    handles = []
+
+    def after_forward(name, module, args, output):
+        clock.mark("other")
+        out = output[0] if isinstance(output, tuple) else output
+        if torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad: clock.mark(f"{name}.backward"))
+
+    for chunk in chunks:
+        for name, module in (("vision_encoder", chunk.vision_model), ("projector", chunk.vision_projection),
+                             ("decoder", chunk.language_model)):
+            if module is None:
+                continue
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: clock.mark(f"{n}.forward")))
+            handles.append(module.register_forward_hook(partial(after_forward, name)))
+    return handles
+
+
+class Trainer:
+    def __init__(self, plan: RunPlan, chunks: list[torch.nn.Module], source: SyntheticImages):
+        self.plan, self.chunks, self.source = plan, chunks, source
+        self.cfg = plan.run_config
+        self.models, self.optimizer = wrap_for_training(plan, chunks)
+        self.config = chunks[0].config
+        self.forward_backward = get_forward_backward_func()
+        self.image_dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+        self.loss_owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                           and parallel_state.get_tensor_model_parallel_rank() == 0
+                           and parallel_state.get_context_parallel_rank() == 0)
+
+    def _step(self, step: int) -> list[MicroBatch]:
+        microbatches = self.source.step(step, self.plan.num_microbatches)
+        iterators = [iter(microbatches) for _ in self.models]
+        for model in self.models:
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._losses = self.forward_backward(
+            forward_step_func=partial(_forward_step, self.plan.device, self.image_dtype),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.models, num_microbatches=self.plan.num_microbatches, seq_length=self.plan.seq_length,
+            micro_batch_size=self.cfg.batch.mbs, decoder_seq_length=self.plan.seq_length, forward_only=False)
+        self.optimizer.step()
+        return microbatches
+
+    def _reduce(self, step: int, microbatches: list[MicroBatch], result: TrainResult) -> None:
+        """World-wide loss over real tokens and token counts (each DP rank counted once)."""
+        loss = torch.zeros(2, dtype=torch.float64)
+        if self.loss_owner:
+            for reduced in self._losses:
+                loss += reduced["lm loss"].detach().to("cpu", torch.float64)
+        counts = torch.tensor([sum(mb.real_tokens for mb in microbatches),
+                               sum(mb.padded_tokens for mb in microbatches)], dtype=torch.float64)
+        first_of_replica = (parallel_state.get_tensor_model_parallel_rank() == 0
+                            and parallel_state.get_pipeline_model_parallel_rank() == 0
+                            and parallel_state.get_context_parallel_rank() == 0)
+        payload = torch.cat([loss, counts if first_of_replica else torch.zeros(2, dtype=torch.float64)])
+        if self.plan.device == "cuda":
+            payload = payload.cuda()
+        dist.all_reduce(payload)
+        payload = payload.cpu()
+        value = float(payload[0] / payload[1]) if payload[1] > 0 else float("nan")
+        if not math.isfinite(value):
+            raise NonFiniteLoss(f"loss is {value} at step {step}")
+        result.losses.append(value)
+        result.real_tokens_per_step, result.padded_tokens_per_step = int(payload[2]), int(payload[3])
+
+    def run(self, on_step: Callable[[int], None] = lambda step: None) -> TrainResult:
+        t = self.cfg.train
+        result = TrainResult()
+        for model in self.models:
+            model.train()
+        schedule = ["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["profile"] * t.profile_steps
+        clock = _PhaseClock(self.plan.device)
+        handles: list = []
+        for step, phase in enumerate(schedule):
+            on_step(step)
+            # CUDA-graph capture (cuda_graph.impl, a later GPU issue) belongs here: after the warmup steps,
+            # before the first measured one.
+            if phase == "profile" and not handles:
+                handles = self._start_profiling(clock)
+            if phase == "profile":
+                clock.mark("other")
+            _sync(self.plan.device)
+            start = time.perf_counter()
+            microbatches = self._step(step)
+            _sync(self.plan.device)
+            elapsed = time.perf_counter() - start
+            if phase == "profile":
+                clock.mark("end")
+            if phase == "measured":
+                result.step_times.append(elapsed)
+            self._reduce(step, microbatches, result)
+            result.phases.append(phase)
+        for handle in handles:
+            handle.remove()
+        if t.profile_steps:
+            result.split_seconds = {k: v / t.profile_steps for k, v in clock.seconds().items()}
+        return result
+
+    def _start_profiling(self, clock: _PhaseClock) -> list:
+        handles = _hook_components(self.chunks, clock)
+        finalize, step = self.config.finalize_model_grads_func, self.optimizer.step
+
+        def timed_finalize(*args, **kwargs):
+            clock.mark("grad_sync")
+            finalize(*args, **kwargs)
+            clock.mark("other")
+
+        def timed_step(*args, **kwargs):
+            clock.mark("optimizer")
+            out = step(*args, **kwargs)
+            clock.mark("other")
+            return out
+
+        self.config.finalize_model_grads_func, self.optimizer.step = timed_finalize, timed_step
+        handles.append(_Restore(lambda: setattr(self.config, "finalize_model_grads_func", finalize)))
+        handles.append(_Restore(lambda: setattr(self.optimizer, "step", step)))
+        return handles
+
+
+class _Restore:
+    """A hook-handle look-alike that undoes a monkeypatch of the profiling steps."""
+
+    def __init__(self, undo: Callable[[], None]):
+        self.remove = undo

@@ -1,0 +1,255 @@
+"""The training worker: ``python -m moe_vlm_sweep.train.worker RUN_DIR`` (alone, or under torchrun).
+
+Reads ``RUN_DIR/plan.json``, checks the machine can run it (failing fast, class ``invalid``, never falling back),
+initialises torch.distributed and megatron's parallel state, builds, trains, and leaves exactly one result:
+``metrics.json`` (rank 0) or ``failure.json``. Imports neither optuna, mlflow nor hydra: the plan file is all it
+needs, so any run can be replayed from its run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_vlm_sweep.metrics.schema import (
+    FAILURE_FILE,
+    ComponentSplit,
+    Failure,
+    Loss,
+    Metrics,
+    StepTimes,
+    write_failure,
+    write_metrics,
+)
+from moe_vlm_sweep.plan.plan import RunPlan
+
+
+class PreflightError(RuntimeError):
+    """The machine cannot run this plan as asked (failure class ``invalid``)."""
+
+
+def preflight(plan: RunPlan) -> None:
+    """Machine-dependent checks; each message names the knob, its value and what is missing."""
+    cfg, problems = plan.run_config, []
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        problems.append(f"hardware.device='cuda' needs a CUDA GPU, but torch.cuda.is_available() is False on "
+                        f"{platform.node()} (torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    if plan.device == "cpu" and cfg.cuda_graph.impl != "none":
+        problems.append(f"cuda_graph.impl={cfg.cuda_graph.impl!r} needs a CUDA GPU; hardware.device is 'cpu'")
+    needs = []
+    if plan.transformer_impl == "transformer_engine":
+        needs.append((f"train.transformer_impl={plan.transformer_impl!r}", "transformer_engine", None))
+    if cfg.dispatcher.token_dispatcher == "flex":
+        attr = "HybridEPBuffer" if cfg.dispatcher.flex_backend == "hybridep" else None
+        needs.append((f"dispatcher.token_dispatcher='flex' with dispatcher.flex_backend="
+                      f"{cfg.dispatcher.flex_backend!r}", "deep_ep", attr))
+    for knob, package, attr in needs:
+        try:
+            module = importlib.import_module(package)
+            if attr is not None and not hasattr(module, attr):
+                problems.append(f"{knob} needs {package}.{attr}, which this {package} build lacks")
+        except ImportError as exc:
+            problems.append(f"{knob} needs the {package} package, which is not importable here: {exc}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.layout.world_size:
+        problems.append(f"the plan's layout needs world_size={plan.layout.world_size} processes "
+                        f"(launcher.nproc_per_node * launcher.nnodes), but WORLD_SIZE={world}")
+    if problems:
+        raise PreflightError("; ".join(problems))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(plan: RunPlan) -> None:
+    """torch.distributed from torchrun's env (or a world of one), then megatron's groups, seeds, micro-batches."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if plan.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    timeout = timedelta(seconds=plan.run_config.train.timeout_s)
+    dist.init_process_group("nccl" if plan.device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=timeout)
+    p, cfg = plan.layout, plan.run_config
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None, context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
+    # CPU initialisation draws from torch's default generator: the same seed everywhere keeps replicas equal.
+    torch.manual_seed(cfg.train.seed)
+    model_parallel_cuda_manual_seed(cfg.train.seed)
+    init_num_microbatches_calculator(rank, None, cfg.batch.gbs, cfg.batch.mbs, p.dp)
+
+
+def measure_peak_tflops(plan: RunPlan) -> tuple[float, str]:
+    """The datasheet peak on GPU; on the CPU the best of ten 50 ms bursts of square matmuls in the run's
+    precision (the best, because a peak is what the core can do when nothing else competes for it)."""
+    hw = plan.run_config.hardware
+    if plan.device == "cuda":
+        return float(hw.peak_bf16_tflops), "datasheet"
+    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    n = 512
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = 0.0
+    for _ in range(10):
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 0.05:
+            a @ b
+            reps += 1
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start) / 1e12)
+    tflops = torch.tensor([best], dtype=torch.float64)
+    dist.all_reduce(tflops)
+    return float(tflops) / dist.get_world_size(), "measured_matmul"
+
+
+def _peak_memory_gib(plan: RunPlan) -> tuple[float, str]:
+    if plan.device == "cuda":
+        value, source = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
+    else:
+        value, source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak_rss"
+    peak = torch.tensor([float(value)], dtype=torch.float64, device="cuda" if plan.device == "cuda" else "cpu")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak) / 2**30, f"{source} (max over ranks)"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[float, str]) -> Metrics:
+    from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, step_flops
+
+    cfg, world = plan.run_config, plan.layout.world_size
+    times = result.step_times
+    median, mean = statistics.median(times), statistics.fmean(times)
+    flops = step_flops(cfg, samples=cfg.batch.gbs, seq_length=plan.seq_length)
+    model_tflops = flops["total"].model / median / world / 1e12
+    hardware_tflops = flops["total"].hardware / median / world / 1e12
+    split = None
+    if result.split_seconds:
+        total = sum(result.split_seconds.values())
+        split = ComponentSplit(seconds=result.split_seconds,
+                               shares={k: v / total for k, v in result.split_seconds.items()},
+                               profile_steps=cfg.train.profile_steps, measured_on="rank 0 (first pipeline stage)")
+    layout = {**dataclasses.asdict(plan.layout), "strategy": cfg.parallel.strategy,
+              "fsdp_sharding": cfg.parallel.fsdp_sharding if cfg.parallel.strategy == "fsdp" else None,
+              "num_microbatches": plan.num_microbatches, "mbs": cfg.batch.mbs, "gbs": cfg.batch.gbs,
+              "seq_length": plan.seq_length, "precision": plan.precision, "transformer_impl": plan.transformer_impl,
+              "token_dispatcher": cfg.dispatcher.token_dispatcher, "recompute": cfg.recompute.granularity}
+    padded, real = result.padded_tokens_per_step, result.real_tokens_per_step
+    return Metrics(
+        data_realism=cfg.data.realism, hardware=cfg.hardware.name, device=plan.device, layout=layout,
+        step_time_s=StepTimes(median=median, p10=_quantile(times, 0.1), p90=_quantile(times, 0.9), mean=mean,
+                              cv=statistics.pstdev(times) / mean if mean else 0.0, steps=times),
+        tokens_per_s=padded / median, tokens_per_s_per_gpu=padded / median / world,
+        effective_tokens_per_s=real / median, effective_tokens_per_s_per_gpu=real / median / world,
+        padded_tokens_per_step=padded, real_tokens_per_step=real, flops_per_step=flops,
+        model_tflops_per_s_per_gpu=model_tflops, hardware_tflops_per_s_per_gpu=hardware_tflops,
+        mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
+        peak_memory_gib=memory[0], peak_memory_source=memory[1],
+        loss=Loss(values=result.losses, phases=result.phases), component_split=split,
+        accounting_notes=list(ACCOUNTING_NOTES),
+    )
+
+
+def classify(exc: BaseException) -> str:
+    """Failure class of an exception: a refused plan is ``invalid``, not a crash."""
+    from moe_vlm_sweep.config.schema import ConfigFieldError
+    from moe_vlm_sweep.plan.rules import ConfigError
+    from moe_vlm_sweep.train.loop import NonFiniteLoss
+
+    if isinstance(exc, (PreflightError, ConfigError, ConfigFieldError)):
+        return "invalid"
+    if isinstance(exc, NonFiniteLoss):
+        return "nan"
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return "oom"
+    return "crash"
+
+
+def run(run_dir: Path) -> None:
+    plan = RunPlan.read(run_dir / "plan.json")
+    preflight(plan)
+    if plan.device == "cpu":
+        from moe_vlm_sweep.train import cpu_compat
+
+        cpu_compat.apply()
+    init_distributed(plan)
+    from megatron.core import parallel_state
+
+    from moe_vlm_sweep.data.synthetic import SyntheticImages
+    from moe_vlm_sweep.model.build import build_model_chunks
+    from moe_vlm_sweep.train.loop import Trainer
+
+    cfg = plan.run_config
+    peak = measure_peak_tflops(plan)
+    source = SyntheticImages(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs,
+                             dp_rank=parallel_state.get_data_parallel_rank())
+    trainer = Trainer(plan, build_model_chunks(plan), source)
+    result = trainer.run(on_step=_note_step)
+    memory = _peak_memory_gib(plan)
+    if dist.get_rank() == 0:
+        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory))
+        print(f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
+              f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
+
+
+_current_step: Optional[int] = None
+
+
+def _note_step(step: int) -> None:
+    global _current_step
+    _current_step = step
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[1])
+    try:
+        run(run_dir)
+    except BaseException as exc:  # noqa: BLE001 -- every failure must leave failure.json
+        rank = int(os.environ.get("RANK", "0"))
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        if not (run_dir / FAILURE_FILE).exists():  # keep the first rank's cause, not a peer's broken pipe
+            write_failure(run_dir, Failure(failure_class=classify(exc), exception_type=type(exc).__name__,
+                                           message=str(exc), rank=rank, step=_current_step, traceback=tb))
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

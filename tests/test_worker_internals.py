@@ -1,0 +1,152 @@
+"""Unit tests of the worker's pure pieces: synthetic batches, FLOPs accounting, result files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from moe_vlm_sweep.config.schema import (
+    DataConf,
+    DecoderConf,
+    ModelConf,
+    RecomputeConf,
+    RunConfig,
+    VisionTrainingConf,
+)
+from moe_vlm_sweep.data.synthetic import IMAGE_TOKEN_INDEX, PAD_TOKEN_ID, SyntheticImages
+from moe_vlm_sweep.metrics.schema import (
+    ComponentFlops,
+    ComponentSplit,
+    Failure,
+    Loss,
+    Metrics,
+    StepTimes,
+    read_failure,
+    read_metrics,
+    write_failure,
+    write_json_atomic,
+    write_metrics,
+)
+from moe_vlm_sweep.model.flops import step_flops
+
+MODEL = ModelConf(text_tokens=65)
+
+
+def _source(**data) -> SyntheticImages:
+    return SyntheticImages(MODEL, DataConf(**data), micro_batch_size=4)
+
+
+@pytest.mark.parametrize("images_per_sample", [1, 2])
+def test_batch_counts_padding(images_per_sample):
+    model = ModelConf(text_tokens=65, images_per_sample=images_per_sample)
+    mb = SyntheticImages(model, DataConf(), micro_batch_size=4).microbatch(0, 0)
+    assert mb.padded_tokens == 4 * model.seq_length
+    assert mb.images.shape == (4 * images_per_sample, 3, 56, 56)
+    expected_real = sum(int(n) + images_per_sample * (model.image_tokens - 1) for n in mb.text_lengths)
+    assert mb.real_tokens == expected_real < mb.padded_tokens
+    for row, length in zip(mb.input_ids, mb.text_lengths):
+        assert (row[:images_per_sample] == IMAGE_TOKEN_INDEX).all()
+        assert (row[length:] == PAD_TOKEN_ID).all() and (row[images_per_sample:length] != PAD_TOKEN_ID).all()
+
+
+def test_labels_shifted_and_loss_mask_covers_real_caption_only():
+    mb = _source().microbatch(0, 0)
+    assert torch.equal(mb.labels[:, :-1], mb.input_ids[:, 1:])
+    masked_labels = mb.labels[mb.loss_mask.bool()]
+    assert (masked_labels != PAD_TOKEN_ID).all() and (masked_labels != IMAGE_TOKEN_INDEX).all()
+    assert mb.loss_tokens == int(sum(n - 2 for n in mb.text_lengths))  # caption minus its first id, minus the end
+
+
+def test_full_text_fraction_has_no_padding():
+    mb = _source(min_text_fraction=1.0).microbatch(0, 0)
+    assert mb.real_tokens == mb.padded_tokens
+
+
+def test_batches_are_deterministic_and_fixed_batch_repeats():
+    a, b = _source(seed=3), _source(seed=3)
+    assert torch.equal(a.microbatch(5, 1).input_ids, b.microbatch(5, 1).input_ids)
+    assert not torch.equal(a.microbatch(0, 0).input_ids, a.microbatch(1, 0).input_ids)
+    fixed = _source(fixed_batch=True)
+    assert torch.equal(fixed.microbatch(0, 0).images, fixed.microbatch(7, 0).images)
+    other_rank = SyntheticImages(MODEL, DataConf(), micro_batch_size=4, dp_rank=1)
+    assert not torch.equal(other_rank.microbatch(0, 0).input_ids, a.microbatch(0, 0).input_ids)
+
+
+def _flops(**changes):
+    return step_flops(RunConfig(model=MODEL, **changes), samples=4, seq_length=MODEL.seq_length)
+
+
+def test_flops_totals_and_frozen_modules():
+    base = _flops()
+    assert base["total"].model == pytest.approx(sum(base[c].model for c in ("vision_encoder", "projector",
+                                                                           "decoder")))
+    frozen = _flops(vision=VisionTrainingConf(freeze_encoder=True, freeze_projector=True))
+    assert frozen["vision_encoder"].model == pytest.approx(base["vision_encoder"].model / 3)  # forward only
+    assert frozen["projector"].model == pytest.approx(base["projector"].model / 3)
+    projector_only = _flops(vision=VisionTrainingConf(freeze_projector=True))
+    assert projector_only["projector"].model == pytest.approx(base["projector"].model * 2 / 3)  # grads flow through
+    assert frozen["decoder"].model == base["decoder"].model
+
+
+def test_flops_grow_with_topk_and_shrink_with_gqa():
+    def decoder(**fields):
+        model = dataclasses.replace(MODEL, decoder=DecoderConf(**fields))
+        return step_flops(RunConfig(model=model), samples=4, seq_length=model.seq_length)["decoder"].model
+
+    assert decoder(moe_router_topk=1) < decoder(moe_router_topk=2) < decoder(moe_router_topk=4)
+    assert decoder(num_query_groups=1) < decoder(num_query_groups=2) < decoder(num_query_groups=4)
+    assert decoder(moe_shared_expert_intermediate_size=64) > decoder()
+
+
+@pytest.mark.parametrize("recompute", [RecomputeConf(granularity="full", method="uniform", num_layers=1),
+                                       RecomputeConf(granularity="selective", modules=["core_attn"]),
+                                       RecomputeConf(granularity="selective", modules=["moe"])])
+def test_recompute_counts_in_hardware_flops_only(recompute):
+    base, rc = _flops(), _flops(recompute=recompute)
+    assert rc["decoder"].model == base["decoder"].model
+    assert rc["decoder"].hardware > base["decoder"].hardware == base["decoder"].model
+    full = _flops(recompute=RecomputeConf(granularity="full", method="uniform", num_layers=1))
+    assert rc["decoder"].hardware <= full["decoder"].hardware < 4 / 3 * base["decoder"].model
+
+
+def _metrics() -> Metrics:
+    flops = {"total": ComponentFlops(model=2.0, hardware=3.0)}
+    return Metrics(data_realism="synthetic_images", hardware="cpu", device="cpu", layout={"tp": 1},
+                   step_time_s=StepTimes(median=0.1, p10=0.09, p90=0.2, mean=0.12, cv=0.1, steps=[0.1, 0.2]),
+                   tokens_per_s=10.0, tokens_per_s_per_gpu=10.0, effective_tokens_per_s=8.0,
+                   effective_tokens_per_s_per_gpu=8.0, padded_tokens_per_step=320, real_tokens_per_step=250,
+                   flops_per_step=flops, model_tflops_per_s_per_gpu=1e-3, hardware_tflops_per_s_per_gpu=2e-3,
+                   mfu=0.01, hfu=0.02, peak_tflops=0.1, peak_source="measured_matmul", peak_memory_gib=0.5,
+                   peak_memory_source="peak_rss", loss=Loss(values=[6.0, 5.0], phases=["warmup", "measured"]),
+                   component_split=ComponentSplit(seconds={"optimizer": 0.1}, shares={"optimizer": 1.0},
+                                                  profile_steps=1, measured_on="rank 0"),
+                   accounting_notes=["note"])
+
+
+def test_metrics_round_trip(tmp_path):
+    metrics = _metrics()
+    write_metrics(tmp_path, metrics)
+    assert read_metrics(tmp_path) == metrics
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["schema_version"] == 1 and data["status"] == "ok"
+
+
+def test_failure_round_trip_and_class_check(tmp_path):
+    failure = Failure(failure_class="oom", exception_type="OutOfMemoryError", message="m", rank=1, step=3,
+                      traceback="tb")
+    write_failure(tmp_path, failure)
+    assert read_failure(tmp_path) == failure
+    with pytest.raises(ValueError, match="failure_class='segfault'"):
+        Failure(failure_class="segfault", exception_type="X", message="", rank=0, step=None, traceback="")
+
+
+def test_atomic_write_never_leaves_partial_files(tmp_path):
+    path = tmp_path / "metrics.json"
+    write_json_atomic(path, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"a": object()})  # fails half-way through serialising
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
