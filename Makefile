@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/moe-vlm-sweep run model=tiny
+	$(VENV)/bin/moe-vlm-sweep run -m sweep=cpu_demo
+	@echo "Browse the trials: $(VENV)/bin/moe-vlm-sweep ui   (then open http://127.0.0.1:5000)"
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra

@@ -2,6 +2,10 @@
 
     moe-vlm-sweep check [OVERRIDES]   validate and print the resolved plan (exit 0 valid, 2 invalid)
     moe-vlm-sweep run [OVERRIDES]     validate, then train in an isolated process; prints the result
+    moe-vlm-sweep run -m sweep=SPACE [OVERRIDES]   Optuna sweep over sweeps/SPACE.yaml (MLflow-tracked)
+    moe-vlm-sweep run -m KNOB=a,b ... Hydra grid sweep (basic sweeper)
+    moe-vlm-sweep best [STUDY]        export the best trials of a sweep and print how to re-run them
+    moe-vlm-sweep ui [--port N]       the MLflow UI of the sweeps (outputs/mlflow.db) on 127.0.0.1
 
 Invalid input exits 2 before any process starts; a run that fails exits 1 with its failure class.
 """
@@ -48,6 +52,10 @@ def check(overrides: Sequence[str]) -> int:
 
 
 def run(overrides: Sequence[str]) -> int:
+    if "-m" in overrides or "--multirun" in overrides:
+        from moe_vlm_sweep.sweep.app import multirun
+
+        return multirun(overrides)
     from moe_vlm_sweep.launch.local import launch
     from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
     from moe_vlm_sweep.launch.summary import summarize
@@ -64,7 +72,19 @@ def run(overrides: Sequence[str]) -> int:
     return 0 if result.ok else 1
 
 
-COMMANDS = {"check": check, "run": run}
+def best(args: Sequence[str]) -> int:
+    from moe_vlm_sweep.export.command import main as best_main
+
+    return best_main(args)
+
+
+def ui(args: Sequence[str]) -> int:
+    from moe_vlm_sweep.tracking.ui import main as ui_main
+
+    return ui_main(args)
+
+
+COMMANDS = {"check": check, "run": run, "best": best, "ui": ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

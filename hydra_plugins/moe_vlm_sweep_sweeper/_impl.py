@@ -1,0 +1,269 @@
+"""The ask/tell loop: one trial at a time per sweep process, any number of processes per study.
+
+Per trial (see docs/design.md, "Trial lifecycle"): ask -> sample the space -> compose the trial's config and
+validate it like ``check`` (invalid: told as pruned, never launched) -> claim the config (a duplicate is told
+as failed, never launched) -> open the MLflow child run -> launch through Hydra's launcher -> classify the
+RunResult -> tell Optuna -> close the child run -> print the progress line. On start, trials a killed sweep left
+RUNNING are failed (or re-queued once) and MLflow is reconciled with the study.
+
+Apps other than moe-vlm-sweep (e.g. Hydra's shared test suites) get the same loop with a generic trial: no
+validation, no MLflow, the task's return value is the objective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, List, Optional
+
+import optuna
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.errors import HydraException
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+from optuna.trial import TrialState
+
+from moe_vlm_sweep.sweep import ledger, progress
+from moe_vlm_sweep.sweep.space import Space
+from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
+from moe_vlm_sweep.sweep.study import open_study, storage_url, study_name
+from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_run_config, outcome_of_result, outcome_of_value,
+                                       plan_trial, run_overrides)
+
+MAX_DUPLICATES_IN_A_ROW = 25
+_LAUNCH_FAILURES = ("oom", "crash", "timeout", "nan")
+_TELL_STATE = {"pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+class SweeperImpl(Sweeper):
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
+                                                                task_function=task_function)
+        self.project = is_run_config(config)
+        self.tracker: Any = None
+        self.stop_reason: Optional[str] = None
+        """Set by a trial whose outcome must end the sweep (mixed data realism); the loop raises it."""
+
+    # --- setup of one sweep -------------------------------------------------------------------------------
+
+    def _job_overrides(self, spec: SweepConf, arguments: List[str]) -> List[str]:
+        """Every trial's base overrides: the space's fixed ones, then the command line (which wins)."""
+        for parsed in OverridesParser.create().parse_overrides(arguments):
+            if parsed.is_sweep_override():
+                raise SweepError(f"{parsed.input_line!r}: with this sweeper, searched knobs belong in the space "
+                                 "(sweep.params), not in a,b lists on the command line")
+        given = {_key(a) for a in arguments}
+        return [*(f for f in spec.fixed if _key(f) not in given), *arguments]
+
+    def _sweep_dir(self, name: str) -> Optional[Path]:
+        """Where the study (and the export) of a moe-vlm-sweep sweep lives: stable, so a re-run resumes. Other
+        apps get an in-memory study unless sweep.storage is set, like Hydra's own Optuna sweeper."""
+        return Path(self.config.outputs_dir) / "sweeps" / name if self.project else None
+
+    def _open_tracker(self, name: str, url: str) -> Any:
+        from moe_vlm_sweep.config.compose import REPO_ROOT
+        from moe_vlm_sweep.tracking import mlflow_sink
+
+        tracking = self.config.tracking
+        uri = tracking.tracking_uri or mlflow_sink.default_uri(self.config.outputs_dir)
+        tracker = mlflow_sink.SweepTracker(
+            tracking_uri=uri, experiment=tracking.experiment, study_name=name,
+            artifact_root=mlflow_sink.default_artifact_root(self.config.outputs_dir),
+            static_tags={"moe_vlm_sweep.git_commit": mlflow_sink.git_commit(REPO_ROOT)})
+        tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": url})
+        return tracker
+
+    # --- resume -------------------------------------------------------------------------------------------
+
+    def _recover(self, study: optuna.Study, spec: SweepConf) -> None:
+        for trial in ledger.stale_trials(study, spec.resume.stale_after_s):
+            try:
+                study.tell(trial.number, state=TrialState.FAIL)
+            except (RuntimeError, ValueError):
+                continue  # another worker recovered it first
+            study.set_user_attr(f"interrupted.{trial.number}", f"left RUNNING by {trial.user_attrs.get('worker')}")
+            retry = (spec.resume.stale == "retry" and "retry_of" not in trial.user_attrs
+                     and trial.user_attrs.get("claim") == "launch")
+            if retry:
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
+            print(f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone; marked failed "
+                  f"(interrupted){', re-queued once' if retry else ''}", flush=True)
+        if self.tracker is not None:
+            finished = study.get_trials(deepcopy=False, states=ledger.FINISHED)
+            interrupted = {k for k in study.user_attrs if k.startswith("interrupted.")}
+            fixed = self.tracker.reconcile(finished, lambda t: self._describe(t, interrupted))
+            if fixed:
+                print(f"resume: closed or added {fixed} MLflow child run(s) so MLflow matches the study", flush=True)
+
+    @staticmethod
+    def _describe(trial: optuna.trial.FrozenTrial, interrupted: set) -> tuple[str, dict, dict]:
+        if f"interrupted.{trial.number}" in interrupted:
+            failure_class = "interrupted"
+        else:
+            failure_class = trial.user_attrs.get("failure_class", {TrialState.COMPLETE: "ok"}.get(trial.state, "crash"))
+        tags = {f"moe_vlm_sweep.{k}": trial.user_attrs[k] for k in ("reason", "data_realism", "hardware")
+                if k in trial.user_attrs}
+        return failure_class, {"sampled": trial.params, "overrides": trial.user_attrs.get("overrides", [])}, tags
+
+    # --- one trial ----------------------------------------------------------------------------------------
+
+    def _validate(self, overrides: List[str]) -> Any:
+        """(plan, None) for a launchable config, (None, reason) for an invalid one."""
+        try:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            return plan_trial(cfg, overrides)[0], None
+        except INVALID_ERRORS + (HydraException, OmegaConfBaseException) as exc:
+            return None, str(exc)
+
+    def _run(self, study: optuna.Study, trial: optuna.Trial, spec: SweepConf, overrides: List[str]) -> Outcome:
+        plan, reason = self._validate(overrides) if self.project else (None, None)
+        if reason is not None:
+            return Outcome(state="pruned", failure_class="invalid", reason=reason)
+        problem = plan and self._realism_problem(study, plan.run_config.data.realism,
+                                                 f"trial #{trial.number} samples data.realism")
+        if problem:
+            self.stop_reason = problem
+            return Outcome(state="fail", failure_class="invalid", reason=problem)
+        owner = ledger.claim(study, trial, trial.params)
+        if owner is not None:
+            # Told as failed, not pruned: the config is not bad, and TPE must not learn that it is (it ignores fails).
+            return Outcome(state="fail", failure_class="duplicate", reason=f"same config as trial #{owner}")
+        if self.tracker is not None:
+            tags = {"moe_vlm_sweep.data_realism": plan.run_config.data.realism,
+                    "moe_vlm_sweep.hardware": plan.run_config.hardware.name}
+            run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags)
+            trial.set_user_attr("mlflow_run_id", run_id)
+        with ledger.Heartbeat(trial, spec.resume.heartbeat_s):
+            job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
+        try:
+            value = job.return_value
+        except Exception as exc:  # the task raised: the sweep goes on, the trial is a crash
+            return Outcome(state="fail", failure_class="crash", reason=f"{type(exc).__name__}: {exc}")
+        if not self.project:
+            return outcome_of_value(value, len(spec.objective.directions))
+        outcome = outcome_of_result(value, spec.objective)
+        realism = outcome.metrics.get("data_realism")
+        problem = outcome.ok and self._realism_problem(study, realism, f"trial #{trial.number} measured data_realism")
+        if problem:
+            self.stop_reason = problem
+            outcome.state, outcome.failure_class, outcome.reason, outcome.values = "fail", "invalid", problem, None
+        elif outcome.ok and "data_realism" not in study.user_attrs:
+            study.set_user_attr("data_realism", realism)
+        return outcome
+
+    @staticmethod
+    def _realism_problem(study: optuna.Study, realism: Optional[str], what: str) -> Optional[str]:
+        known = study.user_attrs.get("data_realism")
+        if known is None or realism == known:
+            return None
+        return (f"{what}={realism}, but study {study.study_name} ranks {known} results; a study never mixes data "
+                "realism: fix data= in sweep.fixed or use a new sweep.study_name")
+
+    def _tell(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome) -> None:
+        attrs = {"failure_class": outcome.failure_class, "reason": outcome.reason[-4000:], "run_dir": outcome.run_dir,
+                 "data_realism": outcome.metrics.get("data_realism"), "hardware": outcome.metrics.get("hardware")}
+        for key, value in attrs.items():
+            if value:
+                trial.set_user_attr(key, value)
+        if outcome.ok:
+            study.tell(trial, values=outcome.values)
+        else:
+            study.tell(trial, state=_TELL_STATE[outcome.state])
+        if self.tracker is not None:
+            run_id = trial.user_attrs.get("mlflow_run_id")
+            if run_id is None:
+                run_id = self.tracker.start_trial(trial.number, params={"sampled": trial.params}, tags={})
+            tags = {f"moe_vlm_sweep.{k}": v for k, v in attrs.items() if v and k != "failure_class"}
+            self.tracker.finish_trial(run_id, failure_class=outcome.failure_class, tags=tags,
+                                      metrics=outcome.metrics, run_dir=outcome.run_dir)
+
+    # --- the loop -----------------------------------------------------------------------------------------
+
+    def sweep(self, arguments: List[str]) -> Any:
+        spec = load_spec(self.config.get("sweep"))
+        base = self._job_overrides(spec, list(arguments))
+        space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
+        choices = self.config.hydra.runtime.choices
+        name = study_name(choices.get("sweep") or "sweep", spec, run_overrides(base))
+        sweep_dir = self._sweep_dir(name)
+        url = storage_url(spec, sweep_dir)
+        study = open_study(name=name, url=url, spec=spec)
+        study.set_user_attr("objective_metrics", spec.objective.metrics)
+        self.tracker = self._open_tracker(name, url) if self.project else None
+        where = url or "in memory (set sweep.storage to keep it)"
+        print(f"sweep: study {name} ({spec.n_trials} trials, {' and '.join(spec.objective.directions)} "
+              f"{' and '.join(spec.objective.metrics)})\n  optuna storage: {where}"
+              + (f"\n  mlflow: {self.tracker.tracking_uri} (moe-vlm-sweep ui)" if self.tracker else ""), flush=True)
+        self._recover(study, spec)
+        failures_in_a_row = duplicates_in_a_row = 0
+        while True:
+            trials = study.get_trials(deepcopy=False)
+            done = len(ledger.counted(trials))
+            if done + len(ledger.in_flight(trials, spec.resume.stale_after_s)) >= spec.n_trials:
+                break
+            trial = study.ask()
+            ledger.own(trial)
+            if ledger.is_surplus(study.get_trials(deepcopy=False), trial.number, spec.n_trials,
+                                 spec.resume.stale_after_s):
+                trial.set_user_attr("claim", "surplus")
+                self._tell(study, trial, Outcome(state="fail", failure_class="surplus",
+                                                 reason="the study was full when this trial was asked"))
+                break
+            sampled = space.suggest(trial)
+            overrides = [*base, *Space.overrides(sampled)]
+            trial.set_user_attr("overrides", run_overrides(overrides))
+            outcome = self._run(study, trial, spec, overrides)
+            self._tell(study, trial, outcome)
+            duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == "duplicate" else 0
+            failures_in_a_row = (failures_in_a_row + 1 if outcome.failure_class in _LAUNCH_FAILURES
+                                 else 0 if outcome.ok else failures_in_a_row)
+            best = self._best(study)
+            print(progress.trial_line(done=len(ledger.counted(study.get_trials(deepcopy=False))),
+                                      total=spec.n_trials, number=trial.number, sampled=sampled,
+                                      failure_class=outcome.failure_class, values=outcome.values,
+                                      reason=outcome.reason, metric_names=spec.objective.metrics, best=best),
+                  flush=True)
+            if self.stop_reason:
+                self._finish(study, spec, sweep_dir, status="FAILED")
+                raise SweepError(self.stop_reason)
+            if failures_in_a_row >= spec.failure_budget:
+                self._finish(study, spec, sweep_dir, status="FAILED")
+                raise SweepError(f"stopping: the last {failures_in_a_row} launched trials all failed "
+                                 f"(sweep.failure_budget={spec.failure_budget}); see their worker.log files, "
+                                 "fix the space or raise sweep.failure_budget")
+            if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
+                self._finish(study, spec, sweep_dir)
+                raise SweepError(f"stopping: {duplicates_in_a_row} samples in a row repeated tried configs; the "
+                                 f"space looks exhausted before sweep.n_trials={spec.n_trials}")
+        return self._finish(study, spec, sweep_dir)
+
+    @staticmethod
+    def _best(study: optuna.Study) -> Optional[optuna.trial.FrozenTrial]:
+        from moe_vlm_sweep.export.best import ranked
+
+        top = ranked(study)
+        return top[0] if top else None
+
+    def _finish(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED") -> Any:
+        from moe_vlm_sweep.export.best import export, ranked, realism_of
+
+        top = ranked(study)[:spec.top_k]
+        realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        print(progress.table(top, spec.objective.metrics, realism=realism), flush=True)
+        if self.project and top:
+            from moe_vlm_sweep.config.compose import CONF_DIR
+
+            exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=spec.top_k)
+            print(f"best: trial #{exported[0].trial.number}; re-run it with: {exported[0].command}\n"
+                  f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)
+        if self.tracker is not None:
+            if not ledger.in_flight(study.get_trials(deepcopy=False), spec.resume.stale_after_s):
+                self.tracker.close_sweep(status)
+        return top

@@ -1,0 +1,107 @@
+"""Rank a study's trials and write the winners so ``moe-vlm-sweep run +experiment=<name>`` replays them.
+
+Each trial stores the exact overrides it ran with (user attr ``overrides``: the fixed ones plus the sampled
+ones, what ``plan.overrides`` held). The export turns them into three equivalent forms: an override file, an
+experiment config (``conf/experiment/<name>.yaml``, ``# @package _global_``, group choices as
+``override /group: option`` and field values as YAML), and the command line. Results of different data realism
+are never ranked together: a study holding more than one refuses, naming the counts.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import optuna
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from optuna.trial import FrozenTrial, TrialState
+
+from moe_vlm_sweep.launch.run_dir import rerun_command, write_atomic
+
+
+class ExportError(ValueError):
+    """The study cannot be ranked or exported as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    rank: int
+    trial: FrozenTrial
+    experiment: str
+    overrides: list[str]
+
+    @property
+    def command(self) -> str:
+        return f"moe-vlm-sweep run +experiment={self.experiment}"
+
+
+def realism_of(trials: Sequence[FrozenTrial]) -> Optional[str]:
+    """The one data realism of ``trials``; raises ExportError if they mix several."""
+    counts: dict[str, int] = {}
+    for trial in trials:
+        realism = trial.user_attrs.get("data_realism", "unknown")
+        counts[realism] = counts.get(realism, 0) + 1
+    if len(counts) > 1:
+        listed = ", ".join(f"{n} trial(s) {r}" for r, n in sorted(counts.items()))
+        raise ExportError(f"the study mixes data realism ({listed}); results of different realism are not "
+                          "comparable: rank one realism per study (set data= in sweep.fixed)")
+    return next(iter(counts), None)
+
+
+def ranked(study: optuna.Study) -> list[FrozenTrial]:
+    """Completed trials best first; with two objectives, the Pareto front ordered by the first objective."""
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if len(study.directions) > 1:
+        complete = study.best_trials if complete else []
+    sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
+    return sorted(complete, key=lambda t: (sign * t.values[0], t.number))
+
+
+def experiment_yaml(overrides: Sequence[str], conf_dir: Path, *, header: str = "") -> str:
+    """An experiment config equivalent to ``overrides`` (group choices first, then field values)."""
+    defaults: list[dict[str, str]] = []
+    values: dict[str, Any] = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if override.is_delete() or override.is_sweep_override():
+            raise ExportError(f"override {override.input_line!r} cannot go into an experiment config")
+        if (conf_dir / key).is_dir():
+            defaults.append({f"override /{key}": override.get_value_element_as_str()})
+            continue
+        node = values
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = override.value()
+    body = yaml.safe_dump({**({"defaults": defaults} if defaults else {}), **values}, sort_keys=False)
+    return f"# @package _global_\n{header}{body}"
+
+
+def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int) -> list[Exported]:
+    """Write the top ``top_k`` trials (experiment configs, override files, commands); return them."""
+    realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    top = ranked(study)[:top_k]
+    out = sweep_dir / "best"
+    out.mkdir(parents=True, exist_ok=True)
+    (conf_dir / "experiment").mkdir(parents=True, exist_ok=True)
+    exported = []
+    for rank, trial in enumerate(top, 1):
+        name = f"{study.study_name}_best" if rank == 1 else f"{study.study_name}_t{trial.number}"
+        overrides = list(trial.user_attrs.get("overrides", []))
+        header = (f"# Trial #{trial.number} of study {study.study_name} (rank {rank}, values {trial.values}, data "
+                  f"realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n")
+        write_atomic(conf_dir / "experiment" / f"{name}.yaml", experiment_yaml(overrides, conf_dir, header=header))
+        exported.append(Exported(rank=rank, trial=trial, experiment=name, overrides=overrides))
+    if exported:
+        best = exported[0]
+        write_atomic(out / "overrides.yaml", "".join(f"- {shlex.quote(o)}\n" for o in best.overrides) or "[]\n")
+        write_atomic(out / "command.sh", f"#!/bin/sh\n# Best trial #{best.trial.number} of {study.study_name}.\n"
+                                         f"{best.command}\n# equivalently:\n# {rerun_command(best.overrides)}\n")
+        summary = [{"rank": e.rank, "trial": e.trial.number, "values": list(e.trial.values),
+                    "data_realism": realism, "experiment": e.experiment, "command": e.command,
+                    "overrides": e.overrides, "run_dir": e.trial.user_attrs.get("run_dir")} for e in exported]
+        write_atomic(out / "top.yaml", yaml.safe_dump(summary, sort_keys=False))
+    return exported

@@ -1,0 +1,60 @@
+"""``moe-vlm-sweep best [STUDY]``: rank a study, write its top configs, print how to re-run the winner."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import optuna
+
+from moe_vlm_sweep.config.compose import CONF_DIR
+from moe_vlm_sweep.export.best import ExportError, export, realism_of
+from moe_vlm_sweep.sweep.progress import table
+from moe_vlm_sweep.sweep.study import open_storage
+
+
+def _find_study(outputs: Path, name: str | None, storage: str | None) -> tuple[str, str]:
+    """(study name, storage URL): the given ones, or the single study under ``outputs/sweeps``."""
+    if storage is None and name is not None:
+        storage = f"sqlite:///{(outputs / 'sweeps' / name / 'optuna.db').resolve()}"
+    if storage is not None:
+        if name is None:
+            names = optuna.get_all_study_names(storage=open_storage(storage))
+            if len(names) != 1:
+                raise ExportError(f"{storage} holds {len(names)} studies ({', '.join(names)}); name one")
+            name = names[0]
+        return name, storage
+    dbs = sorted((outputs / "sweeps").glob("*/optuna.db"))
+    if len(dbs) != 1:
+        found = ", ".join(p.parent.name for p in dbs) or "none"
+        raise ExportError(f"{len(dbs)} studies under {outputs / 'sweeps'} ({found}); say which: "
+                          "moe-vlm-sweep best STUDY")
+    return dbs[0].parent.name, f"sqlite:///{dbs[0].resolve()}"
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moe-vlm-sweep best", description=__doc__.splitlines()[0])
+    parser.add_argument("study", nargs="?", help="study name (default: the only one under OUTPUTS/sweeps)")
+    parser.add_argument("--storage", help="Optuna storage URL (default: OUTPUTS/sweeps/STUDY/optuna.db)")
+    parser.add_argument("--outputs", default="outputs", help="outputs folder (default: outputs)")
+    parser.add_argument("--top", type=int, default=3, help="how many trials to export (default: 3)")
+    args = parser.parse_args(list(argv))
+    outputs = Path(args.outputs)
+    try:
+        name, storage = _find_study(outputs, args.study, args.storage)
+        study = optuna.load_study(study_name=name, storage=open_storage(storage))
+        exported = export(study, sweep_dir=outputs / "sweeps" / name, conf_dir=CONF_DIR, top_k=args.top)
+        realism = realism_of([e.trial for e in exported])
+    except (ExportError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not exported:
+        print(f"error: study {name} has no successful trial yet", file=sys.stderr)
+        return 1
+    metrics = study.user_attrs.get("objective_metrics", [f"value{i}" for i in range(len(study.directions))])
+    print(table([e.trial for e in exported], metrics, realism=realism))
+    print(f"\nbest: trial #{exported[0].trial.number} (data realism {realism})\n  {exported[0].command}\n"
+          f"  files: {outputs / 'sweeps' / name / 'best'}, {CONF_DIR / 'experiment' / exported[0].experiment}.yaml")
+    return 0

@@ -1,0 +1,52 @@
+"""``moe-vlm-sweep run -m ...``: the Hydra multirun app over ``conf/`` (config ``config``).
+
+``-m sweep=<space>`` selects this project's sweeper (the space file overrides ``hydra/sweeper``); a plain grid
+(``-m batch.mbs=1,2``) runs on Hydra's basic sweeper. Either way each job is :func:`task`, the same path as
+``moe-vlm-sweep run``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from moe_vlm_sweep.config.compose import CONF_DIR
+from moe_vlm_sweep.config.store import register
+from moe_vlm_sweep.launch.local import launch
+from moe_vlm_sweep.launch.result import RunResult
+from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
+from moe_vlm_sweep.launch.summary import summarize
+from moe_vlm_sweep.sweep.trial import INVALID_ERRORS, plan_trial
+
+
+def task(cfg: DictConfig) -> RunResult:
+    """One job: validate, then train in an isolated process. An invalid grid point is reported, not raised, so
+    a grid sweep goes on past it (the sweeper never hands over an invalid config in the first place)."""
+    hydra_cfg = HydraConfig.get()
+    try:
+        plan, resolved_yaml = plan_trial(cfg, list(hydra_cfg.overrides.task))
+    except INVALID_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return RunResult(status="invalid", reason=str(exc))
+    run_dir = new_run_dir(plan.run_config.outputs_dir, prefix=f"job{hydra_cfg.job.num}")
+    prepare(run_dir, plan, resolved_yaml)
+    result = launch(plan, run_dir)
+    print(summarize(result), flush=True)
+    return result
+
+
+def multirun(argv: Sequence[str]) -> int:
+    register()
+    app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)
+    saved, sys.argv = sys.argv, ["moe-vlm-sweep", *argv]
+    try:
+        app()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        sys.argv = saved
+    return 0

@@ -1,0 +1,155 @@
+"""What the study's trials mean for this sweep: which count, which are stale, which config is taken.
+
+Optuna stores the trials; these user attributes, written by the sweeper, give them their sweep meaning:
+
+- ``worker`` (``host:pid:start``) and ``heartbeat`` (epoch s): who runs a RUNNING trial and when it last said so.
+  A RUNNING trial is stale when its worker is gone: on this host that is checked at once (the pid), elsewhere
+  by the heartbeat's age. A killed sweep is therefore resumed at once by the same command on the same host.
+- ``claim``: ``launch`` once the trial owns its config, ``duplicate`` when another trial had it first.
+- ``failure_class`` / ``reason``: the outcome, for people, MLflow and ``best``.
+- ``retry_of``: on a trial re-running an interrupted one (``sweep.resume.stale=retry``); the interrupted
+  trial then no longer counts toward ``sweep.n_trials``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any, Iterable, Optional
+
+import optuna
+import psutil
+from optuna.trial import FrozenTrial, TrialState
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+CLAIM_WAIT_S = 60.0
+NOT_COUNTED = ("duplicate", "surplus")
+"""Claims of trials that never ran: a config another trial had first, or a trial asked once the study was full."""
+
+
+def worker_id() -> str:
+    """host:pid:start time, so a recycled pid is never mistaken for a live sweep."""
+    proc = psutil.Process()
+    return f"{socket.gethostname()}:{proc.pid}:{int(proc.create_time())}"
+
+
+def _worker_alive(worker: str) -> Optional[bool]:
+    """True/False for a worker on this host; None when it runs elsewhere (only its heartbeat can tell)."""
+    try:
+        host, pid, start = worker.rsplit(":", 2)
+    except ValueError:
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        return int(psutil.Process(int(pid)).create_time()) == int(start)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+
+
+def is_stale(trial: FrozenTrial, stale_after_s: float, now: Optional[float] = None) -> bool:
+    if trial.state != TrialState.RUNNING:
+        return False
+    worker = trial.user_attrs.get("worker")
+    if worker == worker_id():
+        return False
+    alive = _worker_alive(worker) if worker else None
+    if alive is not None:
+        return not alive
+    beat = trial.user_attrs.get("heartbeat", trial.datetime_start.timestamp() if trial.datetime_start else 0)
+    return (now or time.time()) - float(beat) > stale_after_s
+
+
+def retried_numbers(trials: Iterable[FrozenTrial]) -> set[int]:
+    return {int(t.user_attrs["retry_of"]) for t in trials if "retry_of" in t.user_attrs}
+
+
+def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """Finished trials that count toward ``sweep.n_trials``: not duplicates, not interrupted-and-retried."""
+    retried = retried_numbers(trials)
+    return [t for t in trials if t.state in FINISHED and t.user_attrs.get("claim") not in NOT_COUNTED
+            and t.number not in retried]
+
+
+def in_flight(trials: list[FrozenTrial], stale_after_s: float) -> list[FrozenTrial]:
+    """RUNNING trials of live workers (they will count once finished). Queued retries are not: the next ask
+    takes them, and until then the trial they replace no longer counts, so a slot stays open for them."""
+    return [t for t in trials if t.state == TrialState.RUNNING and not is_stale(t, stale_after_s)
+            and t.user_attrs.get("claim") not in NOT_COUNTED]
+
+
+def is_surplus(trials: list[FrozenTrial], number: int, n_trials: int, stale_after_s: float) -> bool:
+    """True when ``n_trials`` trials numbered before ``number`` already count or run: two workers asked for the
+    last slot at once, and the later one must not run."""
+    ahead = {t.number for t in counted(trials) + in_flight(trials, stale_after_s) if t.number < number}
+    return len(ahead) >= n_trials
+
+
+def stale_trials(study: optuna.Study, stale_after_s: float) -> list[FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if is_stale(t, stale_after_s)]
+
+
+def holders(trials: list[FrozenTrial], params: dict[str, Any], number: int) -> list[FrozenTrial]:
+    """Other trials that hold ``params``: sampled (complete params), not duplicates, not superseded retries."""
+    retried = retried_numbers(trials)
+    return [t for t in trials if t.number != number and t.user_attrs.get("sampled")
+            and t.user_attrs.get("claim") not in NOT_COUNTED and t.number not in retried
+            and t.state != TrialState.WAITING and t.params == params]
+
+
+def claim(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> Optional[int]:
+    """Claim ``params`` for ``trial``; return None if it owns them, else the number of the trial that does.
+
+    Write-then-read, so two workers that sample the same config at once never both launch it: the trial marks
+    itself ``sampled``, then looks. A lower-numbered holder wins outright; a higher-numbered one wins only if
+    it already claimed, so the lower one waits for a higher one that has not decided yet (higher ones never
+    wait), which cannot deadlock.
+    """
+    trial.set_user_attr("sampled", True)
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while True:
+        others = holders(study.get_trials(deepcopy=False), params, trial.number)
+        lower = [t.number for t in others if t.number < trial.number]
+        higher_claimed = [t.number for t in others if t.user_attrs.get("claim") == "launch"]
+        undecided = [t for t in others if t.number > trial.number and "claim" not in t.user_attrs
+                     and t.state == TrialState.RUNNING]
+        if lower or higher_claimed:
+            trial.set_user_attr("claim", "duplicate")
+            return min(lower + higher_claimed)
+        if not undecided or time.monotonic() > deadline:
+            trial.set_user_attr("claim", "launch")
+            return None
+        time.sleep(0.2)
+
+
+def own(trial: optuna.Trial) -> None:
+    """Mark a just-asked trial as this worker's, before anything can go wrong with it."""
+    trial.set_user_attr("worker", worker_id())
+    trial.set_user_attr("heartbeat", time.time())
+
+
+class Heartbeat:
+    """Records ``heartbeat`` on the running trial every ``interval_s`` from a daemon thread."""
+
+    def __init__(self, trial: optuna.Trial, interval_s: float):
+        self._trial, self._interval = trial, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{trial.number}", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._trial.set_user_attr("heartbeat", time.time())
+            except Exception:  # a storage hiccup must not kill the trial; the next beat retries
+                pass
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+

@@ -1,0 +1,177 @@
+"""Search spaces a person writes in YAML, turned into Optuna suggestions and Hydra overrides.
+
+A space maps a Hydra override key to a distribution::
+
+    batch.mbs: [1, 2, 4]                                    # categorical (shorthand)
+    recompute: {type: categorical, choices: [none, selective]}
+    recompute.modules:                                      # conditional: sampled only when the condition holds
+      {type: categorical, choices: [[core_attn], [core_attn, moe]], when: {recompute: selective}}
+    parallel.etp: {type: int, low: 1, high: 4, log: true, when: {parallel.ep: ">1"}}
+    train.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}
+
+Conditions name params listed earlier (so the sampler sees them first) and compare with ``==`` (a plain value),
+``in`` (a list) or an operator prefix (``">1"``, ``"!=none"``). A knob left out of a trial keeps the value its
+config group gives it, which is what makes ``parallel.tp`` meaningless (and unsampled) under ``parallel=fsdp``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from moe_vlm_sweep.sweep.spec import SweepSpecError
+
+_OPS = {">=": operator.ge, "<=": operator.le, "!=": operator.ne, "==": operator.eq, ">": operator.gt,
+        "<": operator.lt}
+_PLAIN = re.compile(r"^[\w./@:-]+$")
+
+
+def format_value(value: Any) -> str:
+    """A Python value as Hydra override text (``[core_attn,moe]``, ``true``, ``null``, ``'a b'``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(format_value(v) for v in value) + "]"
+    if isinstance(value, str) and not _PLAIN.match(value):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Condition:
+    key: str
+    op: str
+    value: Any
+
+    def holds(self, sampled: Mapping[str, Any]) -> bool:
+        if self.key not in sampled:
+            return False
+        actual = sampled[self.key]
+        if self.op == "in":
+            return actual in self.value
+        try:
+            return bool(_OPS[self.op](actual, self.value))
+        except TypeError:
+            return False
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.op} {self.value!r}"
+
+
+@dataclass(frozen=True)
+class Param:
+    key: str
+    kind: str
+    """categorical | int | float"""
+    choices: tuple = ()
+    """Categorical choices as Optuna stores them: scalars as they are, lists as their override text."""
+    low: float = 0
+    high: float = 0
+    step: float | None = None
+    log: bool = False
+    when: tuple[Condition, ...] = ()
+
+    def suggest(self, trial: Any) -> Any:
+        if self.kind == "categorical":
+            return trial.suggest_categorical(self.key, list(self.choices))
+        if self.kind == "int":
+            return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
+
+
+def _condition(param: str, key: str, raw: Any, earlier: Sequence[str]) -> Condition:
+    if key not in earlier:
+        raise SweepSpecError(f"sweep.params.{param}.when names {key!r}, which is not a param listed before "
+                             f"{param} (known: {', '.join(earlier) or 'none'})")
+    if isinstance(raw, (list, tuple)):
+        return Condition(key, "in", tuple(_choice(v) for v in raw))
+    if isinstance(raw, str):
+        for op in _OPS:
+            if raw.startswith(op):
+                return Condition(key, op, yaml.safe_load(raw[len(op):].strip()))
+    return Condition(key, "==", _choice(raw))
+
+
+def _choice(value: Any) -> Any:
+    """Optuna's categorical choices must be scalars: a list choice (``[core_attn]``) is kept as override text."""
+    if isinstance(value, (list, tuple, dict)):
+        return format_value(list(value) if not isinstance(value, dict) else value)
+    return value
+
+
+def _number(param: str, spec: Mapping[str, Any], name: str) -> float:
+    value = spec.get(name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise SweepSpecError(f"sweep.params.{param}.{name}={value!r} must be a number")
+    return value
+
+
+def parse_param(key: str, raw: Any, earlier: Sequence[str]) -> Param:
+    spec = {"type": "categorical", "choices": list(raw)} if isinstance(raw, (list, tuple)) else dict(raw or {})
+    kind = spec.pop("type", None)
+    when = tuple(_condition(key, k, v, earlier) for k, v in dict(spec.pop("when", None) or {}).items())
+    if kind == "categorical":
+        choices = spec.pop("choices", None)
+        if not choices:
+            raise SweepSpecError(f"sweep.params.{key}.choices must list at least one value")
+        param = Param(key, kind, choices=tuple(_choice(c) for c in choices), when=when)
+    elif kind in ("int", "float"):
+        low, high = _number(key, spec, "low"), _number(key, spec, "high")
+        step, log = spec.pop("step", None), bool(spec.pop("log", False))
+        spec.pop("low"), spec.pop("high")
+        if low > high:
+            raise SweepSpecError(f"sweep.params.{key}.low={low} must be <= high={high}")
+        if log and (low <= 0 or step not in (None, 1)):
+            raise SweepSpecError(f"sweep.params.{key}: log=true needs low > 0 (got {low}) and no step (got {step})")
+        if kind == "int" and any(isinstance(v, float) and not float(v).is_integer() for v in (low, high, step or 1)):
+            raise SweepSpecError(f"sweep.params.{key}: type int needs integer low/high/step")
+        param = Param(key, kind, low=low, high=high, step=step, log=log, when=when)
+    else:
+        raise SweepSpecError(f"sweep.params.{key}.type={kind!r} must be categorical, int or float "
+                             "(or give a list of choices)")
+    if spec:
+        raise SweepSpecError(f"sweep.params.{key}: unknown field(s) {', '.join(sorted(spec))} "
+                             "(allowed: type, choices, low, high, step, log, when)")
+    return param
+
+
+@dataclass(frozen=True)
+class Space:
+    params: tuple[Param, ...]
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any], fixed_keys: Sequence[str] = ()) -> "Space":
+        params: list[Param] = []
+        for key, spec in raw.items():
+            if key in fixed_keys:
+                raise SweepSpecError(f"sweep.params.{key} is also set by a fixed override (sweep.fixed or the "
+                                     "command line); search it or fix it, not both")
+            params.append(parse_param(str(key), spec, [p.key for p in params]))
+        return cls(tuple(params))
+
+    def suggest(self, trial: Any) -> dict[str, Any]:
+        """Sample every param whose conditions hold, in order; returns key -> value as Optuna stores it."""
+        sampled: dict[str, Any] = {}
+        for param in self.params:
+            if all(c.holds(sampled) for c in param.when):
+                sampled[param.key] = param.suggest(trial)
+        return sampled
+
+    @staticmethod
+    def overrides(sampled: Mapping[str, Any]) -> list[str]:
+        return [f"{key}={value if isinstance(value, str) and value.startswith('[') else format_value(value)}"
+                for key, value in sampled.items()]
+
+
+def fingerprint(*parts: Any) -> str:
+    """A short stable hash of plain data: the same space + fixed overrides + objective give the same study."""
+    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]

@@ -1,0 +1,111 @@
+"""The typed ``sweep`` node: what a ``sweeps/<space>.yaml`` file may say.
+
+The space file composes under the ``sweep`` key (``sweep=cpu_demo``), so every field here is overridable on the
+command line (``sweep.n_trials=20 sweep.seed=3``). The node is checked once, when the sweep starts, with
+messages that name the knob; the search space itself (``params``) is parsed by ``moe_vlm_sweep.sweep.space``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class SweepSpecError(ValueError):
+    """The ``sweep`` node or its search space is malformed; the message names the knob and the rule."""
+
+
+class SweepError(RuntimeError):
+    """The sweep stops on purpose (failure budget spent, mixed data realism, space exhausted); says why."""
+
+
+@dataclass(kw_only=True)
+class ObjectiveConf:
+    metric: str = "mfu"
+    """A numeric field of metrics.json (dotted for nested ones), e.g. ``mfu`` or
+    ``effective_tokens_per_s_per_gpu``."""
+    direction: str = "maximize"
+    peak_memory: bool = False
+    """True: a second objective, ``peak_memory_gib`` minimized (a Pareto front instead of one winner)."""
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("maximize", "minimize"):
+            raise SweepSpecError(f"sweep.objective.direction={self.direction!r} must be maximize or minimize")
+
+    @property
+    def metrics(self) -> list[str]:
+        return [self.metric, *(["peak_memory_gib"] if self.peak_memory else [])]
+
+    @property
+    def directions(self) -> list[str]:
+        return [self.direction, *(["minimize"] if self.peak_memory else [])]
+
+
+@dataclass(kw_only=True)
+class ResumeConf:
+    stale: str = "fail"
+    """What happens to a trial a killed sweep left RUNNING: ``fail`` (counted, never re-run) or ``retry``
+    (re-run once with the same params; the interrupted trial then no longer counts)."""
+    heartbeat_s: float = 30.0
+    """How often a running trial records that its sweep process is alive."""
+    stale_after_s: float = 600.0
+    """A trial owned by another host whose heartbeat is older than this is stale. Trials owned by this host
+    are stale as soon as their sweep process is gone, so a resume right after kill -9 needs no waiting."""
+
+    def __post_init__(self) -> None:
+        if self.stale not in ("fail", "retry"):
+            raise SweepSpecError(f"sweep.resume.stale={self.stale!r} must be fail or retry")
+        if self.heartbeat_s <= 0 or self.stale_after_s <= self.heartbeat_s:
+            raise SweepSpecError(f"sweep.resume.stale_after_s={self.stale_after_s} must exceed "
+                                 f"sweep.resume.heartbeat_s={self.heartbeat_s} > 0")
+
+
+@dataclass(kw_only=True)
+class SweepConf:
+    n_trials: int = 8
+    """Finished trials the study should hold, counted across every run and worker of the sweep."""
+    seed: int = 0
+    """Seeds the sampler. A worker joining a study with trials draws from seed + their count, and concurrent
+    workers should get distinct seeds (e.g. ``sweep.seed=$SLURM_ARRAY_TASK_ID``)."""
+    study_name: Optional[str] = None
+    """None: ``<space>-<hash of params, fixed overrides and objective>``, so re-running a command resumes."""
+    storage: Optional[str] = None
+    """Optuna storage URL; None: SQLite under the sweep directory. ``postgresql://...`` for many workers."""
+    sampler: str = "tpe"
+    objective: ObjectiveConf = field(default_factory=ObjectiveConf)
+    fixed: list[str] = field(default_factory=list)
+    """Hydra overrides applied to every trial (``model=tiny``); part of the study identity."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The search space: knob -> distribution (see ``moe_vlm_sweep.sweep.space``)."""
+    failure_budget: int = 5
+    """Launched trials failing in a row (oom, crash, timeout, nan) that end the sweep."""
+    top_k: int = 3
+    """Trials in the final table and the export."""
+    resume: ResumeConf = field(default_factory=ResumeConf)
+
+    def __post_init__(self) -> None:
+        if self.n_trials < 1:
+            raise SweepSpecError(f"sweep.n_trials={self.n_trials} must be >= 1")
+        if self.sampler not in ("tpe", "random"):
+            raise SweepSpecError(f"sweep.sampler={self.sampler!r} must be tpe or random")
+        if self.failure_budget < 1:
+            raise SweepSpecError(f"sweep.failure_budget={self.failure_budget} must be >= 1")
+        if self.top_k < 1:
+            raise SweepSpecError(f"sweep.top_k={self.top_k} must be >= 1")
+
+
+def load_spec(node: DictConfig | dict | None) -> SweepConf:
+    """Typed SweepConf from the composed ``sweep`` node (None: all defaults, for apps without a space file)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(SweepConf), node if node is not None else {})
+        return OmegaConf.to_object(merged)
+    except SweepSpecError:
+        raise
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, SweepSpecError):
+            raise cause from None
+        raise SweepSpecError(f"sweep: {exc}".replace("full_key: ", "full_key: sweep.")) from None

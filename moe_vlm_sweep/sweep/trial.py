@@ -1,0 +1,126 @@
+"""One trial of a moe-vlm-sweep sweep, on the same path as ``moe-vlm-sweep run``.
+
+compose (Hydra did it) -> drop the ``sweep``/``hydra`` nodes -> ``to_run_config`` -> ``make_plan`` ->
+``new_run_dir``/``prepare`` -> ``launch`` -> RunResult. The sweeper calls :func:`plan_trial` before it hands a
+config to the launcher, so an invalid one never costs a job (or a cluster queue slot); the task function calls
+it again on the launcher's side to get the plan it runs. Nothing here validates on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from moe_vlm_sweep.config.compose import CompositionError, to_run_config
+from moe_vlm_sweep.config.schema import ConfigFieldError, RunConfig
+from moe_vlm_sweep.launch.result import RunResult
+from moe_vlm_sweep.plan.plan import RunPlan, make_plan
+from moe_vlm_sweep.plan.rules import ConfigError
+from moe_vlm_sweep.sweep.spec import ObjectiveConf, SweepSpecError
+
+INVALID_ERRORS = (CompositionError, ConfigFieldError, ConfigError)
+_CONTROL_KEYS = ("sweep", "hydra")
+
+
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0].strip()
+
+
+def run_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides that shape the RunConfig (what ``moe-vlm-sweep run`` needs to rebuild it): the sweep's own
+    settings (``sweep=...``, ``sweep.*``) and Hydra's (``hydra.*``, ``hydra/...``) are dropped."""
+    kept = []
+    for override in overrides:
+        key = _override_key(override)
+        if key in _CONTROL_KEYS or key.startswith(("sweep.", "hydra.", "hydra/")):
+            continue
+        kept.append(override)
+    return kept
+
+
+def is_run_config(cfg: DictConfig) -> bool:
+    """True for this project's app; other Hydra apps get the generic trial (a returned number)."""
+    return OmegaConf.get_type(cfg) is RunConfig
+
+
+def run_node(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` without the sweep's and Hydra's nodes: exactly what ``moe-vlm-sweep run`` composes."""
+    node = copy.deepcopy(cfg)
+    with open_dict(node):
+        for key in _CONTROL_KEYS:
+            node.pop(key, None)
+    return node
+
+
+def plan_trial(cfg: DictConfig, overrides: Sequence[str]) -> tuple[RunPlan, str]:
+    """Validate a composed trial config the way ``check`` does; raises one of INVALID_ERRORS with every reason."""
+    node = run_node(cfg)
+    return make_plan(to_run_config(node), run_overrides(overrides)), OmegaConf.to_yaml(node)
+
+
+def metric_value(metrics: dict[str, Any], name: str) -> Any:
+    value: Any = metrics
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    """What the sweeper tells Optuna and MLflow about one trial."""
+
+    state: str
+    """complete | pruned (infeasible: the sampler learns to avoid it) | fail (the sampler ignores it)"""
+    failure_class: str
+    """ok | invalid | oom | crash | timeout | nan | duplicate | interrupted"""
+    values: Optional[list[float]] = None
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    run_dir: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "complete"
+
+
+# OOM and invalid are properties of the config (the sampler should steer away); crash, timeout and NaN may be
+# the machine or the step count, so they are failures Optuna does not learn from.
+_STATE_OF = {"oom": "pruned", "invalid": "pruned", "crash": "fail", "timeout": "fail", "nan": "fail"}
+
+
+def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:
+    if not result.ok:
+        return Outcome(state=_STATE_OF[result.status], failure_class=result.status, reason=result.reason,
+                       run_dir=result.run_dir)
+    values = []
+    for name in objective.metrics:
+        value = metric_value(result.metrics, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            numeric = sorted(k for k, v in result.metrics.items() if isinstance(v, (int, float)))
+            raise SweepSpecError(f"sweep.objective.metric={name!r} is not a numeric field of metrics.json "
+                                 f"(numeric fields: {', '.join(numeric)})")
+        if not math.isfinite(value):
+            return Outcome(state="fail", failure_class="nan", reason=f"{name}={value} is not finite",
+                           metrics=result.metrics, run_dir=result.run_dir)
+        values.append(float(value))
+    return Outcome(state="complete", failure_class="ok", values=values, metrics=result.metrics,
+                   run_dir=result.run_dir)
+
+
+def outcome_of_value(value: Any, n_objectives: int) -> Outcome:
+    """The generic trial (any Hydra app): the task returns a number, or one per objective."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    try:
+        floats = [float(v) for v in values]
+    except (TypeError, ValueError):
+        return Outcome(state="fail", failure_class="crash", reason=f"the task returned {value!r}, not a number")
+    if len(floats) != n_objectives or not all(math.isfinite(v) for v in floats):
+        return Outcome(state="fail", failure_class="nan" if len(floats) == n_objectives else "crash",
+                       reason=f"the task returned {value!r}; expected {n_objectives} finite number(s)")
+    return Outcome(state="complete", failure_class="ok", values=floats)

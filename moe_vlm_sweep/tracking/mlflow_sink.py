@@ -1,0 +1,201 @@
+"""MLflow for sweeps: one parent run per study (reused on resume), one nested child run per Optuna trial.
+
+The child carries the flattened resolved config as params, every number of metrics.json as metrics (lists as
+step series), tags a person filters on (failure class, data realism, hardware, git commit, trial number) and
+the run directory's files as artifacts, so a trial can be read and replayed from the UI alone. A child is
+opened before its trial launches; :meth:`SweepTracker.reconcile` closes what a killed sweep left RUNNING and
+adds the children it never wrote, so after a resume MLflow holds exactly the study's trials.
+
+This is the only module that imports mlflow (it costs seconds to import; the training worker never sees it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+TAG = "moe_vlm_sweep."
+ARTIFACTS = ("config.yaml", "overrides.yaml", "command.sh", "worker.log", "metrics.json", "failure.json",
+             "result.json")
+_STATUS = {"ok": "FINISHED", "interrupted": "KILLED", "duplicate": "KILLED", "surplus": "KILLED"}
+"""MLflow run status per failure class: KILLED for trials that never ran to the end without being at fault."""
+_BATCH = 100  # MLflow's limit on params (and tags) per log_batch call
+
+
+def default_uri(outputs_dir: str | Path) -> str:
+    """The default store: SQLite under the outputs folder (no server to run)."""
+    return f"sqlite:///{Path(outputs_dir).resolve() / 'mlflow.db'}"
+
+
+def default_artifact_root(outputs_dir: str | Path) -> str:
+    return (Path(outputs_dir).resolve() / "mlartifacts").as_uri()
+
+
+@contextlib.contextmanager
+def sqlite_init_lock(uri: str) -> Iterator[None]:
+    """Serialize the first use of a local SQLite store between processes: sweep workers started together on a
+    fresh file otherwise run MLflow's schema migrations at the same time and break them."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    lock = Path(uri[len("sqlite:///"):] + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def git_commit(repo: Path) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else "none"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _metrics(metrics: Mapping[str, Any], now_ms: int) -> list[Metric]:
+    """Numbers as metrics; lists of numbers (per-step loss and times) as step series under one key."""
+    out = []
+    for key, value in flatten(metrics).items():
+        if key == "loss.values":
+            key = "loss"
+        series = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in series) or not series:
+            continue
+        out += [Metric(key, float(v) if math.isfinite(v) else float("nan"), now_ms, step)
+                for step, v in enumerate(series)]
+    return out
+
+
+class SweepTracker:
+    def __init__(self, *, tracking_uri: str, experiment: str, artifact_root: str, study_name: str,
+                 static_tags: Mapping[str, str]):
+        self.tracking_uri, self.study_name = tracking_uri, study_name
+        self.static_tags = dict(static_tags)
+        with sqlite_init_lock(tracking_uri):
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            self.experiment_id = self._experiment(experiment, artifact_root)
+            self.parent_id = self._parent()
+
+    def _experiment(self, name: str, artifact_root: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_root)
+        except MlflowException:  # another worker created it first
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _search(self, filter_string: str) -> list:
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs([self.experiment_id], filter_string=filter_string,
+                                           run_view_type=ViewType.ACTIVE_ONLY, max_results=1000,
+                                           page_token=token)
+            runs += list(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def _parents(self) -> list:
+        runs = self._search(f"tags.`{TAG}study` = '{self.study_name}' and tags.`{TAG}role` = 'parent'")
+        return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+    def _parent(self) -> str:
+        """The study's parent run, reused (and reopened) on resume; concurrent starters settle on the oldest."""
+        parents = self._parents()
+        if not parents:
+            self.client.create_run(self.experiment_id, run_name=self.study_name,
+                                   tags={**self.static_tags, f"{TAG}study": self.study_name, f"{TAG}role": "parent"})
+            parents = self._parents()
+            for extra in parents[1:]:
+                if extra.data.tags.get(f"{TAG}role") == "parent" and not self._children_of(extra.info.run_id):
+                    self.client.delete_run(extra.info.run_id)
+        parent = parents[0]
+        if parent.info.status != "RUNNING":
+            self.client.update_run(parent.info.run_id, status="RUNNING")
+        return parent.info.run_id
+
+    def _children_of(self, parent_id: str) -> list:
+        return self._search(f"tags.`mlflow.parentRunId` = '{parent_id}'")
+
+    def children(self) -> dict[int, Any]:
+        """Trial number -> child run (the newest, should a crash have left two)."""
+        runs = sorted(self._children_of(self.parent_id), key=lambda r: r.info.start_time)
+        return {int(r.data.tags[f"{TAG}trial"]): r for r in runs if f"{TAG}trial" in r.data.tags}
+
+    def log_sweep(self, params: Mapping[str, Any], tags: Mapping[str, str]) -> None:
+        self._log(self.parent_id, params=params, tags=tags)
+
+    def _log(self, run_id: str, *, params: Mapping[str, Any] = {}, tags: Mapping[str, str] = {},
+             metrics: Iterable[Metric] = ()) -> None:
+        params = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        tags = [RunTag(k, str(v)[:8000]) for k, v in tags.items()]
+        metrics = list(metrics)
+        for i in range(0, max(len(params), len(tags), 1), _BATCH):
+            self.client.log_batch(run_id, params=params[i:i + _BATCH], tags=tags[i:i + _BATCH])
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
+
+    def start_trial(self, number: int, *, params: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        """Open the trial's child run before it launches (so a kill leaves a trace reconcile can close)."""
+        run = self.client.create_run(self.experiment_id, run_name=f"{self.study_name}/trial-{number}", tags={
+            **self.static_tags, "mlflow.parentRunId": self.parent_id, f"{TAG}study": self.study_name,
+            f"{TAG}role": "trial", f"{TAG}trial": str(number), **tags})
+        self._log(run.info.run_id, params=flatten(params))
+        return run.info.run_id
+
+    def finish_trial(self, run_id: str, *, failure_class: str, tags: Mapping[str, str] = {},
+                     metrics: Optional[Mapping[str, Any]] = None, run_dir: Optional[str] = None) -> None:
+        self._log(run_id, tags={f"{TAG}failure_class": failure_class, **tags},
+                  metrics=_metrics(metrics or {}, int(time.time() * 1000)))
+        if run_dir:
+            for name in ARTIFACTS:
+                path = Path(run_dir) / name
+                if path.is_file():
+                    self.client.log_artifact(run_id, str(path))
+        self.client.set_terminated(run_id, status=_STATUS.get(failure_class, "FAILED"))
+
+    def reconcile(self, trials: Iterable[Any], describe) -> int:
+        """Make every finished trial's child exist and be closed; ``describe(trial)`` gives its failure class,
+        params and tags. Returns how many runs were closed or added."""
+        children, fixed = self.children(), 0
+        for trial in trials:
+            failure_class, params, tags = describe(trial)
+            run = children.get(trial.number)
+            if run is None:
+                run_id = self.start_trial(trial.number, params=params, tags=tags)
+            elif run.info.status == "RUNNING":
+                run_id = run.info.run_id
+            else:
+                continue
+            self.finish_trial(run_id, failure_class=failure_class, tags=tags)
+            fixed += 1
+        return fixed
+
+    def close_sweep(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.parent_id, status=status)

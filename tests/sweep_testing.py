@@ -1,0 +1,60 @@
+"""Helpers of the sweep tests: a private copy of conf/ (exports write conf/experiment/), the CLI in a subprocess,
+and readers of the two stores the sweep writes (Optuna, MLflow)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+
+from moe_vlm_sweep.config.compose import CONF_DIR
+
+FAST_TRAIN = ["train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
+
+
+def private_conf(tmp_path: Path, spaces: dict[str, str] | None = None) -> Path:
+    """conf/ copied (the sweep group's symlink followed) plus extra space files ``name -> yaml``."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf, symlinks=False)
+    for name, text in (spaces or {}).items():
+        (conf / "sweep" / f"{name}.yaml").write_text(text)
+    return conf
+
+
+def cli(args: list[str], *, cwd: Path, conf: Path, timeout: float = 600, check: bool = True,
+        **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "moe_vlm_sweep.cli", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=timeout, **popen)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def start_cli(args: list[str], *, cwd: Path, conf: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "moe_vlm_sweep.cli", *args], cwd=cwd, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def only_study(cwd: Path) -> optuna.Study:
+    dbs = list((cwd / "outputs" / "sweeps").glob("*/optuna.db"))
+    assert len(dbs) == 1, dbs
+    return optuna.load_study(study_name=dbs[0].parent.name, storage=f"sqlite:///{dbs[0]}")
+
+
+def mlflow_runs(cwd: Path, experiment: str = "moe-vlm-sweep") -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    return list(client.search_runs([exp.experiment_id], max_results=1000))
+
+
+def children_by_trial(runs: list) -> dict[int, object]:
+    return {int(r.data.tags["moe_vlm_sweep.trial"]): r for r in runs
+            if r.data.tags.get("moe_vlm_sweep.role") == "trial"}

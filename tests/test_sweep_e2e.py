@@ -1,0 +1,233 @@
+"""End to end: real Hydra multirun, real Optuna (SQLite / PostgreSQL), real MLflow (SQLite), real tiny CPU
+training in isolated worker processes. Each test works in its own folder with a private copy of conf/."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+from optuna.trial import TrialState
+
+from moe_vlm_sweep.sweep import ledger
+from sweep_testing import FAST_TRAIN, children_by_trial, cli, mlflow_runs, only_study, private_conf, start_cli
+
+HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
+SMALL_SPACE = HEADER + """
+n_trials: 3
+objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
+fixed: [model=tiny, train.warmup_steps=1, train.steps=2, train.profile_steps=0]
+params:
+  batch.mbs: [1, 2, 4]
+  vision: [trainable, frozen]
+"""
+
+
+def _assert_consistent(study: optuna.Study, runs: list, n_trials: int) -> None:
+    """Optuna and MLflow hold the same trials, all finished, each config launched once."""
+    trials = study.get_trials()
+    assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    assert len(ledger.counted(trials)) == n_trials
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    parents = [r for r in runs if r.data.tags.get("moe_vlm_sweep.role") == "parent"]
+    assert len(parents) == 1
+    children = children_by_trial(runs)
+    assert set(children) == {t.number for t in trials}
+    assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children.values())
+    launched = [tuple(sorted(t.params.items())) for t in trials if t.user_attrs.get("claim") == "launch"
+                and t.number not in ledger.retried_numbers(trials)]
+    assert len(launched) == len(set(launched)), launched
+
+
+@pytest.mark.slow
+def test_cpu_demo_sweep_tracks_exports_and_reproduces(tmp_path):
+    conf = private_conf(tmp_path)
+    out = cli(["run", "-m", "sweep=cpu_demo", "sweep.n_trials=6", *FAST_TRAIN], cwd=tmp_path, conf=conf).stdout
+    assert "[trial 6/6]" in out and "rank  trial" in out  # a duplicate sample adds a line, not a run
+    study = only_study(tmp_path)
+    runs = mlflow_runs(tmp_path)
+    _assert_consistent(study, runs, 6)
+    expected = {"ok": "FINISHED", "duplicate": "KILLED"}
+    assert all(r.info.status == expected.get(r.data.tags["moe_vlm_sweep.failure_class"], "FAILED")
+               for r in children_by_trial(runs).values()), [(r.info.run_name, r.info.status) for r in runs]
+    assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) >= 4
+    child = children_by_trial(runs)[study.best_trial.number]
+    assert child.data.tags["moe_vlm_sweep.data_realism"] == "synthetic_images"
+    assert child.data.tags["moe_vlm_sweep.failure_class"] == "ok" and "moe_vlm_sweep.git_commit" in child.data.tags
+    assert child.data.params["model.name"] == "tiny" and "effective_tokens_per_s_per_gpu" in child.data.metrics
+
+    best = cli(["best"], cwd=tmp_path, conf=conf).stdout
+    assert "data realism synthetic_images" in best
+    experiment = f"{study.study_name}_best"
+    assert (conf / "experiment" / f"{experiment}.yaml").exists()
+    rerun = cli(["run", f"+experiment={experiment}"], cwd=tmp_path, conf=conf).stdout
+    rerun_dir = Path(tmp_path / rerun.split("run dir: ")[1].split()[0])
+    trial_dir = Path(tmp_path / study.best_trial.user_attrs["run_dir"])
+    assert (rerun_dir / "config.yaml").read_text() == (trial_dir / "config.yaml").read_text()
+
+
+def test_invalid_configs_are_never_launched(tmp_path):
+    """Every config of this space breaks a rule (pipelining under FSDP, mbs not dividing gbs)."""
+    space = HEADER + """
+n_trials: 4
+fixed: [model=tiny, parallel=fsdp]
+params:
+  parallel.pp: [2, 4]
+  batch.mbs: [3, 5]
+"""
+    conf = private_conf(tmp_path, {"all_invalid": space})
+    out = cli(["run", "-m", "sweep=all_invalid"], cwd=tmp_path, conf=conf).stdout
+    assert out.count("-> INVALID") == 4
+    assert not (tmp_path / "outputs" / "runs").exists(), "an invalid config was launched"
+    study = only_study(tmp_path)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.PRUNED] * 4
+    assert all("with parallel=fsdp: Megatron-FSDP does not pipeline" in t.user_attrs["reason"] for t in trials)
+    runs = mlflow_runs(tmp_path)
+    _assert_consistent(study, runs, 4)
+    assert all("parallel.pp=" in r.data.tags["moe_vlm_sweep.reason"] for r in children_by_trial(runs).values())
+
+
+@pytest.mark.slow
+def test_injected_failures_are_classified_and_the_sweep_goes_on(tmp_path):
+    """Real failures: vocab_size=1 crashes the data sampler, a 2 s timeout is shorter than worker start-up,
+    lr=1e30 makes the loss NaN. Queued in the study, so each runs exactly once, then a healthy trial."""
+    space = HEADER + """
+n_trials: 4
+sampler: random
+objective: {metric: effective_tokens_per_s_per_gpu}
+fixed: [model=tiny, train.warmup_steps=1, train.steps=2, train.profile_steps=0]
+params:
+  model.decoder.vocab_size: [512, 1]
+  train.timeout_s: [300.0, 2.0]
+  train.lr: [0.001, 1.0e+30]
+"""
+    conf = private_conf(tmp_path, {"failing": space})
+    storage = f"sqlite:///{tmp_path / 'failing.db'}"
+    study = optuna.create_study(study_name="failing", storage=storage, direction="maximize")
+    cases = {"crash": (1, 300.0, 0.001), "timeout": (512, 2.0, 0.001), "nan": (512, 300.0, 1e30),
+             "ok": (512, 300.0, 0.001)}
+    for vocab, timeout_s, lr in cases.values():
+        study.enqueue_trial({"model.decoder.vocab_size": vocab, "train.timeout_s": timeout_s, "train.lr": lr})
+    out = cli(["run", "-m", "sweep=failing", f"sweep.storage={storage}", "sweep.study_name=failing"],
+              cwd=tmp_path, conf=conf).stdout
+    trials = optuna.load_study(study_name="failing", storage=storage).get_trials()
+    assert [t.user_attrs["failure_class"] for t in trials] == list(cases), out
+    assert [t.state for t in trials] == [TrialState.FAIL] * 3 + [TrialState.COMPLETE]
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert [children[t.number].data.tags["moe_vlm_sweep.failure_class"] for t in trials] == list(cases)
+    assert [children[t.number].info.status for t in trials] == ["FAILED"] * 3 + ["FINISHED"]
+
+
+def _end_orphans(root: Path) -> None:
+    """The killed sweep's training worker runs in its own session; end it (it is this test's process)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(root) in arg for arg in proc.info["cmdline"] or []) and proc.pid != os.getpid():
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+@pytest.mark.slow
+def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path):
+    conf = private_conf(tmp_path, {"small": SMALL_SPACE})
+    command = ["run", "-m", "sweep=small"]
+    sweep = start_cli(command, cwd=tmp_path, conf=conf, log=tmp_path / "first.log")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                trials = only_study(tmp_path).get_trials()
+            except (AssertionError, KeyError):  # the study is not created yet
+                trials = []
+            if any(t.number >= 1 and t.user_attrs.get("claim") == "launch" and t.state == TrialState.RUNNING
+                   for t in trials):
+                break
+            assert sweep.poll() is None, (tmp_path / "first.log").read_text()
+            time.sleep(0.5)
+        time.sleep(2)  # well inside the trial: its worker is training
+        sweep.send_signal(signal.SIGKILL)
+        sweep.wait()
+    finally:
+        _end_orphans(tmp_path)
+    assert any(t.state == TrialState.RUNNING for t in only_study(tmp_path).get_trials())
+    out = cli(command, cwd=tmp_path, conf=conf).stdout
+    assert "was left RUNNING by a sweep that is gone" in out
+    study = only_study(tmp_path)
+    _assert_consistent(study, mlflow_runs(tmp_path), 3)
+    interrupted = [k for k in study.user_attrs if k.startswith("interrupted.")]
+    assert len(interrupted) == 1
+    run = children_by_trial(mlflow_runs(tmp_path))[int(interrupted[0].split(".")[1])]
+    assert (run.info.status, run.data.tags["moe_vlm_sweep.failure_class"]) == ("KILLED", "interrupted")
+
+
+def _postgres_url(tmp_path: Path):
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    bindir = Path("/usr/lib/postgresql/15/bin")
+    initdb, pg_ctl = bindir / "initdb", bindir / "pg_ctl"
+    if not initdb.exists() and shutil.which("initdb") is None:
+        pytest.skip("PostgreSQL (initdb/pg_ctl) is not installed on this machine")
+    initdb, pg_ctl = (str(initdb), str(pg_ctl)) if initdb.exists() else (shutil.which("initdb"), shutil.which("pg_ctl"))
+    as_user: list[str] = []
+    data = Path(tempfile.mkdtemp(prefix="pg-"))
+    if os.geteuid() == 0:  # initdb refuses root: run the server as the postgres user
+        if shutil.which("runuser") is None or subprocess.run(["id", "postgres"], capture_output=True).returncode:
+            pytest.skip("running as root without a postgres user to start PostgreSQL as")
+        shutil.chown(data, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([*as_user, initdb, "-D", str(data / "db"), "-U", "postgres", "--auth=trust"], check=True,
+                   capture_output=True)
+    subprocess.run([*as_user, pg_ctl, "-D", str(data / "db"), "-l", str(data / "log"), "-w", "-o",
+                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+
+    def stop():
+        subprocess.run([*as_user, pg_ctl, "-D", str(data / "db"), "-m", "immediate", "stop"], capture_output=True)
+        shutil.rmtree(data, ignore_errors=True)
+
+    return f"postgresql+psycopg2://postgres@127.0.0.1:{port}/postgres", stop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_workers_share_one_study_without_duplicates(tmp_path, backend):
+    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 4")})
+    stop = None
+    if backend == "sqlite":
+        storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    else:
+        storage, stop = _postgres_url(tmp_path)
+    try:
+        command = ["run", "-m", "sweep=small", f"sweep.storage={storage}", "sweep.study_name=shared"]
+        workers = [start_cli([*command, f"sweep.seed={seed}"], cwd=tmp_path, conf=conf, log=tmp_path / f"w{seed}.log")
+                   for seed in (1, 2)]
+        for worker, seed in zip(workers, (1, 2)):
+            assert worker.wait(timeout=600) == 0, (tmp_path / f"w{seed}.log").read_text()[-4000:]
+        study = optuna.load_study(study_name="shared", storage=storage)
+        _assert_consistent(study, mlflow_runs(tmp_path), 4)
+        owners = {t.user_attrs["worker"] for t in study.get_trials() if t.user_attrs.get("claim") == "launch"}
+        assert len(owners) == 2, "both workers should have run trials"
+    finally:
+        if stop:
+            stop()
+
+
+def test_grid_sweep_runs_on_the_basic_sweeper(tmp_path):
+    """`-m batch.mbs=3,5` without sweep=: Hydra's basic sweeper, each point through the run path (both points
+    are invalid for gbs=4, so each is reported and the grid still finishes, at no training cost)."""
+    conf = private_conf(tmp_path)
+    proc = cli(["run", "-m", "batch.mbs=3,5"], cwd=tmp_path, conf=conf)
+    assert proc.stderr.count("batch.gbs=4 must be divisible by batch.mbs") == 2
+    assert len(list((tmp_path / "outputs" / "multirun").glob("*/[01]"))) == 2
+    assert not (tmp_path / "outputs" / "sweeps").exists()

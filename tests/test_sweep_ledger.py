@@ -1,0 +1,78 @@
+"""The study bookkeeping: counting, stale trials, the duplicate claim (real Optuna on SQLite)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from moe_vlm_sweep.sweep import ledger
+
+
+@pytest.fixture
+def study(tmp_path):
+    return optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s", direction="maximize")
+
+
+def _dead_worker() -> str:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    host, _, start = ledger.worker_id().split(":")
+    return f"{host}:{proc.pid}:{start}"
+
+
+def test_counted_skips_duplicates_and_retried_trials(study):
+    for claim in ("launch", "duplicate", "surplus", "launch"):
+        trial = study.ask()
+        trial.set_user_attr("claim", claim)
+        study.tell(trial, 1.0 if claim == "launch" else None,
+                   state=TrialState.COMPLETE if claim == "launch" else TrialState.PRUNED)
+    study.enqueue_trial({}, user_attrs={"retry_of": 3})
+    assert [t.number for t in ledger.counted(study.get_trials())] == [0]
+
+
+def test_a_trial_of_a_dead_local_worker_is_stale_at_once(study):
+    trial = study.ask()
+    trial.set_user_attr("worker", _dead_worker())
+    assert [t.number for t in ledger.stale_trials(study, stale_after_s=3600)] == [trial.number]
+    ledger.own(trial)
+    assert ledger.stale_trials(study, stale_after_s=3600) == []
+
+
+def test_a_remote_worker_is_stale_by_its_heartbeat(study):
+    trial = study.ask()
+    trial.set_user_attr("worker", "elsewhere:1:1")
+    trial.set_user_attr("heartbeat", 1000.0)
+    frozen = study.get_trials()[0]
+    assert ledger.is_stale(frozen, stale_after_s=60, now=1030.0) is False
+    assert ledger.is_stale(frozen, stale_after_s=60, now=1100.0) is True
+
+
+def test_claim_under_a_real_race(study):
+    """Many pairs asked at once with the same params: never both launch."""
+    for _ in range(10):
+        pair = [study.ask(fixed_distributions={"x": optuna.distributions.CategoricalDistribution([1])})
+                for _ in range(2)]
+        results = []
+        threads = [threading.Thread(target=lambda t=t: results.append(ledger.claim(study, t, {"x": 1})))
+                   for t in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        launched = [t for t in study.get_trials() if t.user_attrs.get("claim") == "launch"]
+        assert len(launched) == 1, [t.user_attrs for t in study.get_trials()]
+        for t in pair:
+            study.tell(t, 1.0)
+
+
+def test_surplus_once_the_study_is_full(study):
+    for _ in range(2):
+        study.tell(study.ask(), 1.0)
+    late = study.ask()
+    assert ledger.is_surplus(study.get_trials(), late.number, n_trials=2, stale_after_s=60)
+    assert not ledger.is_surplus(study.get_trials(), late.number, n_trials=3, stale_after_s=60)

@@ -1,0 +1,138 @@
+"""Search-space parsing (pure functions) and the shipped spaces, on real Optuna (in memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from moe_vlm_sweep.config.compose import CONF_DIR, compose_config
+from moe_vlm_sweep.plan.rules import ConfigError
+from moe_vlm_sweep.sweep.space import Condition, Space, fingerprint, format_value, parse_param
+from moe_vlm_sweep.sweep.spec import SweepSpecError, load_spec
+from moe_vlm_sweep.sweep.trial import plan_trial, run_overrides
+
+SPACES = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("raw,kind,extra", [
+    ([1, 2, 4], "categorical", {"choices": (1, 2, 4)}),
+    ({"type": "categorical", "choices": [[1, 2], "x"]}, "categorical", {"choices": ("[1,2]", "x")}),
+    ({"type": "int", "low": 1, "high": 8, "log": True}, "int", {"low": 1, "high": 8, "log": True}),
+    ({"type": "int", "low": 0, "high": 8, "step": 2}, "int", {"step": 2}),
+    ({"type": "float", "low": 1e-4, "high": 1e-2, "log": True}, "float", {"log": True}),
+    ({"type": "float", "low": 0.0, "high": 1.0, "step": 0.25}, "float", {"step": 0.25}),
+])
+def test_parse_param(raw, kind, extra):
+    param = parse_param("k", raw, [])
+    assert param.kind == kind
+    for name, value in extra.items():
+        assert getattr(param, name) == value
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"type": "gauss"}, "sweep.params.k.type='gauss' must be categorical, int or float"),
+    ({"type": "int", "low": 4, "high": 1}, "sweep.params.k.low=4 must be <= high=1"),
+    ({"type": "int", "low": 0, "high": 8, "log": True}, "log=true needs low > 0"),
+    ({"type": "int", "low": 1, "high": 8, "log": True, "step": 2}, "no step (got 2)"),
+    ({"type": "float", "low": "a", "high": 1}, "sweep.params.k.low='a' must be a number"),
+    ({"type": "categorical", "choices": []}, "sweep.params.k.choices must list at least one value"),
+    ({"type": "int", "low": 1, "high": 2, "lo": 3}, "unknown field(s) lo"),
+    ({"type": "int", "low": 1, "high": 2, "when": {"nope": 1}}, "names 'nope', which is not a param listed before"),
+])
+def test_parse_param_errors_name_the_knob(raw, message):
+    with pytest.raises(SweepSpecError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")
+                       .replace(".", r"\.").replace("[", r"\[")):
+        parse_param("k", raw, [])
+
+
+@pytest.mark.parametrize("raw,sampled,holds", [
+    ("3d", {"parallel": "3d"}, True),
+    ("3d", {"parallel": "fsdp"}, False),
+    (">1", {"parallel.ep": 2}, True),
+    (">1", {"parallel.ep": 1}, False),
+    ("!=none", {"parallel.ep": "full"}, True),
+    ([2, 4], {"parallel.ep": 4}, True),
+    ("3d", {}, False),
+])
+def test_conditions(raw, sampled, holds):
+    key = next(iter(sampled), "parallel")
+    param = parse_param("x", {"type": "categorical", "choices": [1], "when": {key: raw}}, [key])
+    assert param.when[0].holds(sampled) is holds and isinstance(param.when[0], Condition)
+
+
+@pytest.mark.parametrize("value,text", [(None, "null"), (True, "true"), ([1, "a"], "[1,a]"), ("3d", "3d"),
+                                        ("a b", "'a b'"), (1e-3, "0.001")])
+def test_format_value(value, text):
+    assert format_value(value) == text
+
+
+def test_conditional_params_are_sampled_only_when_their_condition_holds():
+    space = Space.parse({
+        "parallel": ["fsdp", "3d"],
+        "parallel.tp": {"type": "int", "low": 1, "high": 4, "log": True, "when": {"parallel": "3d"}},
+        "parallel.ep": [1, 2],
+        "parallel.etp": {"type": "categorical", "choices": [1, 2], "when": {"parallel.ep": ">1"}},
+        "recompute": ["none", "selective"],
+        "recompute.modules": {"type": "categorical", "choices": [["core_attn"]], "when": {"recompute": "selective"}},
+    })
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = []
+    for _ in range(40):
+        sampled = space.suggest(study.ask())
+        seen.append(sampled)
+        assert ("parallel.tp" in sampled) == (sampled["parallel"] == "3d")
+        assert ("parallel.etp" in sampled) == (sampled["parallel.ep"] > 1)
+        assert ("recompute.modules" in sampled) == (sampled["recompute"] == "selective")
+    assert any("parallel.tp" in s for s in seen) and any("parallel.tp" not in s for s in seen)
+    assert "recompute.modules=[core_attn]" in Space.overrides({"recompute.modules": "[core_attn]"})
+
+
+def test_a_knob_cannot_be_both_searched_and_fixed():
+    with pytest.raises(SweepSpecError, match="sweep.params.batch.mbs is also set by a fixed override"):
+        Space.parse({"batch.mbs": [1, 2]}, fixed_keys=["batch.mbs"])
+
+
+def test_fingerprint_is_stable_and_sensitive():
+    assert fingerprint({"a": [1, 2]}, ["x=1"]) == fingerprint({"a": [1, 2]}, ["x=1"])
+    assert fingerprint({"a": [1, 2]}, ["x=1"]) != fingerprint({"a": [1, 2]}, ["x=2"])
+
+
+def test_spec_errors_name_the_knob():
+    with pytest.raises(SweepSpecError, match="sweep.n_trials=0 must be >= 1"):
+        load_spec({"n_trials": 0})
+    with pytest.raises(SweepSpecError, match="sweep.objective.direction='up' must be maximize or minimize"):
+        load_spec({"objective": {"direction": "up"}})
+    with pytest.raises(SweepSpecError, match="n_trial"):
+        load_spec({"n_trial": 3})
+
+
+def test_run_overrides_drop_sweep_and_hydra_settings():
+    assert run_overrides(["sweep=cpu_demo", "sweep.n_trials=3", "hydra.verbose=true", "hydra/launcher=basic",
+                          "batch.mbs=2", "+experiment=x"]) == ["batch.mbs=2", "+experiment=x"]
+
+
+def test_shipped_spaces_are_there():
+    assert {"cpu_demo", "h200_single", "cluster_3d"} <= set(SPACES)
+
+
+@pytest.mark.parametrize("name", SPACES)
+def test_shipped_space_parses_and_samples_plannable_configs(name):
+    """Every shipped space composes, and a sample of it validates or is rejected with named rules only."""
+    raw = yaml.safe_load((CONF_DIR / "sweep" / f"{name}.yaml").read_text())
+    spec = load_spec({k: v for k, v in raw.items() if k != "defaults"})
+    space = Space.parse(spec.params, fixed_keys=[o.split("=")[0] for o in spec.fixed])
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    valid = 0
+    for _ in range(12):
+        overrides = [f"sweep={name}", *spec.fixed, *Space.overrides(space.suggest(study.ask()))]
+        try:
+            plan_trial(compose_config(overrides), overrides)
+            valid += 1
+        except ConfigError as exc:
+            assert exc.problems and all(p.strip() for p in exc.problems)
+    if name == "cpu_demo":
+        assert valid == 12, "every cpu_demo config must run on the CPU"
+    assert Path(CONF_DIR / "sweep").resolve().name == "sweeps"
