@@ -251,7 +251,11 @@ class VisionTrainingConf:
 
 @dataclass(kw_only=True)
 class FusionsConf:
-    """megatron-core's kernel fusions; None means on for GPU hardware, off on the CPU (they need CUDA)."""
+    """megatron-core's kernel fusions; None means on for GPU hardware, off on the CPU (they need CUDA).
+
+    ``gradient_accumulation`` is the exception: megatron's version needs APEX's ``fused_weight_gradient_mlp_cuda``
+    extension, which TE-only installs lack, so None means off; set it true where APEX is built (the worker's
+    preflight checks)."""
 
     name: str = "auto"
     bias_dropout: Optional[bool] = None
@@ -264,7 +268,8 @@ class FusionsConf:
     FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation")
 
     def resolved(self, *, on_gpu: bool) -> dict[str, bool]:
-        return {name: on_gpu if getattr(self, name) is None else getattr(self, name) for name in self.FIELDS}
+        auto = {name: on_gpu and name != "gradient_accumulation" for name in self.FIELDS}
+        return {name: auto[name] if getattr(self, name) is None else getattr(self, name) for name in self.FIELDS}
 
 
 @dataclass(kw_only=True)
@@ -278,8 +283,13 @@ class DataConf:
     fixed_batch: bool = False
     """Repeat one batch every step (to check that the model learns)."""
     seed: int = 0
+    shards: Optional[str] = None
+    """``data.name=webdataset`` only: the ``.tar`` shards, as a brace pattern (``/d/cc3m-{000000..000099}.tar``),
+    a glob or one path; each holds ``<key>.jpg|png`` + ``<key>.txt`` caption records (img2dataset's layout).
+    Checked when the worker opens them (they live on the training machine, not where the config is composed)."""
 
     def __post_init__(self) -> None:
+        _choice("data.name", self.name, ("synthetic_images", "mock_text", "webdataset"))
         _choice("data.realism", self.realism, ("mock_text", "synthetic_images", "real_images"))
         if not 0.0 < self.min_text_fraction <= 1.0:
             raise ConfigFieldError(f"data.min_text_fraction={self.min_text_fraction} must be in (0, 1]")

@@ -1,5 +1,28 @@
-"""Data sources for the training worker; each declares its ``realism`` (runs of different realism never rank together)."""
+"""Data sources for the training worker; each declares its ``realism`` (runs of different realism never rank
+together): ``mock_text`` (no images), ``synthetic_images`` (random pixels), ``webdataset`` (real shards)."""
 
-from moe_vlm_sweep.data.synthetic import IMAGE_TOKEN_INDEX, MicroBatch, SyntheticImages
+from __future__ import annotations
 
-__all__ = ["IMAGE_TOKEN_INDEX", "MicroBatch", "SyntheticImages"]
+from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf
+from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX, BatchSource, MicroBatch
+from moe_vlm_sweep.data.mock_text import MockText
+from moe_vlm_sweep.data.synthetic import SyntheticImages
+
+__all__ = ["IMAGE_TOKEN_INDEX", "BatchSource", "MicroBatch", "MockText", "SyntheticImages", "make_source"]
+
+
+def make_source(model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
+                dp_size: int = 1) -> BatchSource:
+    """The source ``data.name`` selects; refuses a ``data.realism`` that is not the source's own."""
+    if data.name == "webdataset":  # imported here: only this source needs the webdataset package
+        from moe_vlm_sweep.data.webdataset_shards import WebDatasetShards
+
+        source = WebDatasetShards(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
+                                  dp_size=dp_size)
+    else:
+        cls = {"synthetic_images": SyntheticImages, "mock_text": MockText}[data.name]
+        source = cls(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank)
+    if data.realism != source.realism:
+        raise ConfigFieldError(f"data.realism={data.realism!r} must be {source.realism!r} for "
+                               f"data.name={data.name!r}: a run's realism is its source's, never relabelled")
+    return source

@@ -90,7 +90,10 @@ class Metrics:
     """Real (non-padding) decoder tokens per second over the world."""
     effective_tokens_per_s_per_gpu: float
     padded_tokens_per_step: int
-    real_tokens_per_step: int
+    """Decoder positions the model computes on per step (every sample padded to the sequence as run)."""
+    real_tokens_per_step: float
+    """Real decoder tokens per step (text that is not padding plus image tokens), mean over the measured steps:
+    ``effective_tokens_per_s = tokens_per_s * real_tokens_per_step / padded_tokens_per_step``."""
     flops_per_step: dict[str, ComponentFlops]
     """Component (``vision_encoder``, ``projector``, ``decoder``, ``total``) -> FLOPs per step."""
     model_tflops_per_s_per_gpu: float

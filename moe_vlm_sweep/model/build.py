@@ -29,7 +29,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_vlm_sweep.config.schema import RunConfig
-from moe_vlm_sweep.data.synthetic import IMAGE_TOKEN_INDEX
+from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX
 from moe_vlm_sweep.plan.plan import RunPlan
 
 
@@ -52,6 +52,9 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         moe_shared_expert_intermediate_size=d.moe_shared_expert_intermediate_size,
         moe_layer_freq=d.moe_layer_freq, moe_aux_loss_coeff=d.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if d.moe_aux_loss_coeff > 0 else "none",
+        # Top-1 needs the softmax before the top-k (megatron refuses otherwise): a softmax over the one chosen
+        # logit is always 1, which would give the router no gradient.
+        moe_router_pre_softmax=d.moe_router_topk == 1,
         moe_grouped_gemm=te, moe_token_dispatcher_type=disp.token_dispatcher,
         **({"moe_flex_dispatcher_backend": disp.flex_backend} if disp.flex_backend else {}),
         moe_expert_capacity_factor=disp.capacity_factor, moe_pad_expert_input_to_capacity=disp.pad_to_capacity,
@@ -111,8 +114,10 @@ def _decoder_spec(plan: RunPlan, config: TransformerConfig, vp_stage: Optional[i
     d = plan.run_config.model.decoder
     te = plan.transformer_impl == "transformer_engine"
     if d.moe_layer_freq == 1:  # one layer spec for all layers (LLaVA's SP check needs a layer spec)
-        make = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
-        return make(num_experts=d.num_experts, moe_grouped_gemm=te, normalization=d.normalization)
+        if te:  # TE's fused norm+linear reads config.normalization itself
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=d.num_experts, moe_grouped_gemm=True)
+        return get_gpt_layer_local_spec(num_experts=d.num_experts, moe_grouped_gemm=False,
+                                        normalization=d.normalization)
     return get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=d.normalization,
                                       vp_stage=vp_stage)
 

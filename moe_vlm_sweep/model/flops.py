@@ -1,69 +1,168 @@
 """Analytic FLOPs of one optimizer step, per component (vision encoder, projector, decoder): the one place.
 
-Counting rules (a multiply-add is 2 FLOPs; only matmuls count, elementwise work is ignored):
-- Forward 1x, backward 2x (gradient w.r.t. inputs and w.r.t. weights). A frozen module has no weight
-  gradients: its backward is 1x when something before it still trains (the gradient must flow through it),
-  else 0 (a frozen vision encoder sees no backward at all: images need no gradient).
-- Useful FLOPs (MFU) exclude recompute; hardware FLOPs (HFU) add the recomputed forwards.
-- Shapes are the batch as run: padded decoder sequences (padding costs compute), every image's patches.
+Two counts per component, both from the step's actual batch (:class:`BatchTokens`):
+
+- **useful** (``model``, the MFU numerator): the work training needs. Decoder over real tokens only (padding is
+  wasted work), causal attention over the real query-key pairs ``L (L + 1) / 2`` of each sample, top-k experts.
+- **executed** (``hardware``, the HFU numerator): what the kernels run. Decoder over every padded position,
+  attention as the kernel computes it (the local ``DotProductAttention`` computes the full ``S x S`` square and
+  masks it; flash kernels skip masked tiles, counted as the causal triangle), plus recomputed forwards.
+
+Counting rules (a multiply-add is 2 FLOPs; only matmuls and the patch convolution count: norms, activations,
+softmax, RoPE, permutes and the loss are elementwise and ignored):
+
+- Forward 1x. Backward per matmul: the weight gradient (1x) if its weight trains, the input gradient (1x) if any
+  trainable weight sits before it. So a trainable module costs 2x backward, a frozen one its input-gradient 1x
+  only when a trainable module sits before it, else nothing.
+- Pixels need no gradient, so the patch embedding has no input gradient (autograd does not run one) and a frozen
+  encoder has no backward at all. Behind a frozen encoder the projector's first layer needs no input gradient
+  either; megatron's linear layers compute it anyway: executed, not useful.
+- Recompute is never useful: it adds to executed FLOPs only.
+
+Executed and useful are the same function of (tokens, attention pairs) per component: executed evaluates it at
+the padded shapes, useful at the real ones. tests/test_flops.py checks executed against
+``torch.utils.flop_counter.FlopCounterMode`` on the real model and rebuilds useful from measured coefficients.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 from moe_vlm_sweep.config.schema import DecoderConf, ModelConf, RecomputeConf, RunConfig
 from moe_vlm_sweep.metrics.schema import ComponentFlops
 
 ACCOUNTING_NOTES = (
-    "FLOPs count matmuls only (2 per multiply-add); norms, activations, softmax, RoPE and the loss are ignored.",
-    "Decoder FLOPs and tokens/s use padded sequences: padding is computed, so it is counted; "
-    "effective_tokens_per_s counts real tokens only, FLOPs have no real-token variant yet.",
-    "Causal attention is counted as half of the score and value matmuls, although non-flash kernels "
-    "(local DotProductAttention) compute the full square and mask it.",
+    "FLOPs count matmuls and the patch convolution only (2 per multiply-add); norms, activations, softmax, RoPE "
+    "and the loss are ignored.",
+    "Useful FLOPs (MFU) count the decoder over real tokens (text that is not padding plus image tokens) and "
+    "causal attention over real query-key pairs L(L+1)/2; executed FLOPs (HFU) count every padded position, "
+    "attention as the kernel runs it (local: the full square, masked; flash: the causal triangle) and recompute.",
+    "A frozen module's backward is its input gradient only, and only when a trainable module sits before it; "
+    "behind a frozen encoder the projector's first-layer input gradient is executed (megatron computes it) but "
+    "not useful.",
     "MoE experts count exactly top-k per token: tokens dropped or padded by a capacity factor are not modelled.",
     "The vision encoder (CLS token included) attends without a mask over one image's tokens; it is never "
     "recomputed (recompute knobs apply to the decoder only).",
-    "Per-GPU rates divide world FLOPs by world size, so pipeline bubbles and idle ranks lower MFU.",
+    "Per-step FLOPs and tokens are means over the measured steps (batches vary per step); per-GPU rates divide "
+    "world FLOPs by world size, so pipeline bubbles and idle ranks lower MFU.",
 )
 
 
-def _vision_forward_per_image(model: ModelConf) -> float:
+SUMMED_FIELDS = ("samples", "images", "real_tokens", "real_attention_pairs")
+"""The BatchTokens fields that add up over micro-batches, data-parallel replicas and steps."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchTokens:
+    """What one step's FLOPs depend on, summed over the samples of the step (all micro-batches, all DP ranks).
+
+    Floats, so that a mean over steps is again a ``BatchTokens``: every count below is linear in these fields.
+    """
+
+    samples: float
+    images: float
+    """Images that reach the vision encoder (0 for text-only data)."""
+    real_tokens: float
+    """Decoder tokens that are not padding: real text plus every image's tokens (the effective tokens)."""
+    real_attention_pairs: float
+    """Sum over samples of L (L + 1) / 2: the query-key pairs causal attention needs over the real tokens."""
+    seq_length: int
+    """Decoder tokens per sample as run (padding included, after LLaVA's sequence-shard padding)."""
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], *, images: int, seq_length: int) -> "BatchTokens":
+        """From the real decoder length of each sample (``MicroBatch.decoder_lengths``)."""
+        lengths = [int(n) for n in lengths]
+        if any(not 0 < n <= seq_length for n in lengths):
+            raise ValueError(f"decoder lengths {lengths} must lie in (0, seq_length={seq_length}]")
+        return cls(samples=len(lengths), images=images, real_tokens=sum(lengths),
+                   real_attention_pairs=sum(n * (n + 1) // 2 for n in lengths), seq_length=seq_length)
+
+    @classmethod
+    def unpadded(cls, *, samples: int, images: int, seq_length: int) -> "BatchTokens":
+        """Every sample fills the whole sequence (a planner's estimate before any batch exists)."""
+        return cls.from_lengths([seq_length] * samples, images=images, seq_length=seq_length)
+
+    @property
+    def padded_tokens(self) -> float:
+        return self.samples * self.seq_length
+
+    @classmethod
+    def mean(cls, batches: Sequence["BatchTokens"]) -> "BatchTokens":
+        """The mean step: FLOPs and token counts are linear in every field, so they average with it."""
+        if not batches or len({b.seq_length for b in batches}) != 1:
+            raise ValueError(f"need steps of one seq_length, got {[b.seq_length for b in batches]}")
+        return cls(**{name: sum(getattr(b, name) for b in batches) / len(batches) for name in SUMMED_FIELDS},
+                   seq_length=batches[0].seq_length)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """One component's FLOPs over one step, forward and backward apart (the FlopCounterMode test checks both)."""
+
+    useful_forward: float
+    useful_backward: float
+    executed_forward: float
+    executed_backward: float
+    """Recomputed forwards included: they run during the backward pass."""
+
+    @property
+    def flops(self) -> ComponentFlops:
+        return ComponentFlops(model=self.useful_forward + self.useful_backward,
+                              hardware=self.executed_forward + self.executed_backward)
+
+
+def _vision_forward_per_image(model: ModelConf) -> tuple[float, float]:
+    """(whole encoder, patch embedding) forward FLOPs of one image: every patch is real, no padding."""
     v = model.vision
     patches = v.patches_per_image
     s = patches + (v.class_token_len if v.kind == "clip" else 0)
     h = v.hidden_size
-    patch_embed = 2 * patches * 3 * v.patch_size**2 * h
+    patch_embed = 2 * patches * 3 * v.patch_size**2 * h  # a conv with stride = kernel = patch: one matmul
     projections = 2 * s * 4 * h * h  # q, k, v, o: full multi-head attention
-    scores_and_values = 2 * 2 * s * s * h  # Q K^T and A V, bidirectional (no mask)
+    scores_and_values = 2 * 2 * s * s * h  # Q K^T and A V, bidirectional (no mask): all pairs are useful
     mlp = 2 * s * 2 * h * v.ffn_hidden_size  # GELU MLP: fc1 and fc2
-    return patch_embed + v.num_layers * (projections + scores_and_values + mlp)
+    return patch_embed + v.num_layers * (projections + scores_and_values + mlp), patch_embed
 
 
-def _projector_forward_per_image(model: ModelConf) -> float:
+def _projector_forward_per_image(model: ModelConf) -> tuple[float, float]:
+    """(whole projector, first layer) forward FLOPs of one image."""
     tokens = model.vision.tokens_per_image
     width_in = model.vision.hidden_size * model.vision.spatial_merge**2  # merged patches are concatenated
     out = model.decoder.hidden_size
     if model.projector.kind == "affine":
-        return 2 * tokens * width_in * out
+        return 2 * tokens * width_in * out, 2 * tokens * width_in * out
     ffn = model.projector.ffn_hidden_size or out
-    return 2 * tokens * (width_in * ffn + ffn * out)
+    return 2 * tokens * (width_in * ffn + ffn * out), 2 * tokens * width_in * ffn
 
 
-def _decoder_parts_per_sample(d: DecoderConf, seq: int) -> dict[str, float]:
-    """Forward FLOPs of one sequence, split so that recompute can re-add exactly the recomputed parts."""
+def decoder_forward_parts(d: DecoderConf, *, tokens: float, attention_pairs: float) -> dict[str, float]:
+    """Decoder forward FLOPs of ``tokens`` positions whose causal attention covers ``attention_pairs`` query-key
+    pairs; split so that recompute can re-add exactly the recomputed parts. Linear in both arguments."""
     h, hd = d.hidden_size, d.head_dim
     q_width, kv_width = d.num_attention_heads * hd, d.num_query_groups * hd  # GQA: fewer K/V heads
     dense_layers = d.num_layers - d.num_moe_layers
     return {
-        "attn_proj": d.num_layers * 2 * seq * (h * (q_width + 2 * kv_width) + q_width * h),
-        # Causal: each query sees on average half the keys, for Q K^T and for A V.
-        "core_attn": d.num_layers * 2 * 2 * seq * seq * q_width * 0.5,
-        "router": d.num_moe_layers * 2 * seq * h * d.num_experts,
-        # SwiGLU expert: fc1 h -> 2f (gate and up), fc2 f -> h: 3 h f multiply-adds per token per expert.
-        "experts": d.num_moe_layers * d.moe_router_topk * 2 * seq * 3 * h * d.moe_ffn_hidden_size,
-        "shared_experts": d.num_moe_layers * 2 * seq * 3 * h * (d.moe_shared_expert_intermediate_size or 0),
-        "dense_mlp": dense_layers * 2 * seq * 3 * h * d.ffn_hidden_size,
-        "output_layer": 2 * seq * h * d.vocab_size,
+        "attn_proj": d.num_layers * 2 * tokens * (h * (q_width + 2 * kv_width) + q_width * h),
+        # Q K^T and A V: per query-key pair, head_dim multiply-adds per query head, each. GQA shares K/V heads
+        # but every query head still scores every key, so the attention core does not shrink with GQA.
+        "core_attn": d.num_layers * 2 * 2 * attention_pairs * q_width,
+        "router": d.num_moe_layers * 2 * tokens * h * d.num_experts,
+        # SwiGLU expert: fc1 h -> 2f (gate and up), fc2 f -> h: 3 h f multiply-adds per token per expert; only
+        # the top-k routed experts run (dropless).
+        "experts": d.num_moe_layers * d.moe_router_topk * 2 * tokens * 3 * h * d.moe_ffn_hidden_size,
+        "shared_experts": d.num_moe_layers * 2 * tokens * 3 * h * (d.moe_shared_expert_intermediate_size or 0),
+        "dense_mlp": dense_layers * 2 * tokens * 3 * h * d.ffn_hidden_size,
+        "output_layer": 2 * tokens * h * d.vocab_size,
     }
+
+
+def executed_attention_pairs(seq_length: int, transformer_impl: str) -> int:
+    """Query-key pairs one padded sample's causal attention kernel computes."""
+    if transformer_impl == "local":
+        return seq_length * seq_length  # DotProductAttention: baddbmm/bmm over the square, then the mask
+    return seq_length * (seq_length + 1) // 2  # flash kernels skip fully masked tiles (diagonal tiles: approx.)
 
 
 def _recomputed_forward(parts: dict[str, float], d: DecoderConf, rc: RecomputeConf, *, stages: int) -> float:
@@ -83,28 +182,46 @@ def _recomputed_forward(parts: dict[str, float], d: DecoderConf, rc: RecomputeCo
     return 0.0
 
 
-def step_flops(cfg: RunConfig, *, samples: int, seq_length: int) -> dict[str, ComponentFlops]:
-    """FLOPs of one optimizer step over the world: ``samples`` = global batch, ``seq_length`` = padded decoder
-    tokens per sample as run. Returns component -> ComponentFlops, plus ``total``."""
+def component_work(cfg: RunConfig, batch: BatchTokens, *, transformer_impl: str) -> dict[str, Work]:
+    """Component -> forward/backward FLOPs, useful and executed, of one step over the world."""
     m, vt = cfg.model, cfg.vision
-    images = samples * m.images_per_sample
-    encoder_trains = not vt.freeze_encoder
-    vision_fwd = images * _vision_forward_per_image(m)
-    projector_fwd = images * _projector_forward_per_image(m)
-    parts = {k: samples * v for k, v in _decoder_parts_per_sample(m.decoder, seq_length).items()}
-    decoder_fwd = sum(parts.values())
+    encoder_trains, projector_trains = not vt.freeze_encoder, not vt.freeze_projector
 
-    vision_bwd = 0.0 if vt.freeze_encoder else 2.0
-    projector_bwd = 2.0 if not vt.freeze_projector else (1.0 if encoder_trains else 0.0)
-    stages = cfg.parallel.pp * cfg.parallel.vpp
-    recompute = _recomputed_forward(parts, m.decoder, cfg.recompute, stages=stages)
+    vision_fwd, patch_embed = (batch.images * f for f in _vision_forward_per_image(m))
+    # Trainable: weight and input gradients of every matmul but the patch embedding's input gradient (pixels).
+    vision_bwd = 2 * vision_fwd - patch_embed if encoder_trains else 0.0
 
-    result = {
-        "vision_encoder": ComponentFlops(model=vision_fwd * (1 + vision_bwd), hardware=vision_fwd * (1 + vision_bwd)),
-        "projector": ComponentFlops(model=projector_fwd * (1 + projector_bwd),
-                                    hardware=projector_fwd * (1 + projector_bwd)),
-        "decoder": ComponentFlops(model=3 * decoder_fwd, hardware=3 * decoder_fwd + recompute),
+    projector_fwd, first_layer = (batch.images * f for f in _projector_forward_per_image(m))
+    weight_grads = projector_fwd if projector_trains else 0.0
+    if encoder_trains:
+        useful_input_grads = executed_input_grads = projector_fwd
+    else:  # nothing trainable before the first layer: its input gradient is useless; megatron computes it if
+        # the projector trains (its linear backward always does), autograd skips the whole frozen chain if not
+        useful_input_grads = projector_fwd - first_layer if projector_trains else 0.0
+        executed_input_grads = projector_fwd if projector_trains else 0.0
+
+    d = m.decoder
+    useful = decoder_forward_parts(d, tokens=batch.real_tokens, attention_pairs=batch.real_attention_pairs)
+    executed = decoder_forward_parts(
+        d, tokens=batch.padded_tokens,
+        attention_pairs=batch.samples * executed_attention_pairs(batch.seq_length, transformer_impl))
+    recompute = _recomputed_forward(executed, d, cfg.recompute, stages=cfg.parallel.pp * cfg.parallel.vpp)
+    # The decoder always trains and its embedding table sits before layer 0: backward is 2x everywhere.
+    return {
+        "vision_encoder": Work(useful_forward=vision_fwd, useful_backward=vision_bwd,
+                               executed_forward=vision_fwd, executed_backward=vision_bwd),
+        "projector": Work(useful_forward=projector_fwd, useful_backward=weight_grads + useful_input_grads,
+                          executed_forward=projector_fwd, executed_backward=weight_grads + executed_input_grads),
+        "decoder": Work(useful_forward=sum(useful.values()), useful_backward=2 * sum(useful.values()),
+                        executed_forward=sum(executed.values()),
+                        executed_backward=2 * sum(executed.values()) + recompute),
     }
+
+
+def step_flops(cfg: RunConfig, batch: BatchTokens, *, transformer_impl: str) -> dict[str, ComponentFlops]:
+    """FLOPs of one optimizer step over the world: component -> ComponentFlops (useful ``model``, executed
+    ``hardware``), plus ``total``."""
+    result = {name: work.flops for name, work in component_work(cfg, batch, transformer_impl=transformer_impl).items()}
     result["total"] = ComponentFlops(model=sum(c.model for c in result.values()),
                                      hardware=sum(c.hardware for c in result.values()))
     return result

@@ -26,7 +26,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from moe_vlm_sweep.data.synthetic import MicroBatch, SyntheticImages
+from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
+from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
 
 
@@ -40,9 +41,9 @@ class TrainResult:
     """Measured steps only."""
     losses: list[float] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
-    real_tokens_per_step: int = 0
-    """Over the world (summed over data-parallel ranks), of the last step."""
-    padded_tokens_per_step: int = 0
+    batches: list[BatchTokens] = field(default_factory=list)
+    """Per step, over the world (summed over data-parallel ranks): the real and padded tokens the step's FLOPs
+    and token rates are computed from."""
     split_seconds: Optional[dict[str, float]] = None
     """Mean seconds per profiling step per phase, or None without profiling steps."""
 
@@ -137,7 +138,7 @@ def _hook_components(chunks, clock: _PhaseClock) -> list:
 
 
 class Trainer:
-    def __init__(self, plan: RunPlan, chunks: list[torch.nn.Module], source: SyntheticImages):
+    def __init__(self, plan: RunPlan, chunks: list[torch.nn.Module], source: BatchSource):
         self.plan, self.chunks, self.source = plan, chunks, source
         self.cfg = plan.run_config
         self.models, self.optimizer = wrap_for_training(plan, chunks)
@@ -168,12 +169,15 @@ class Trainer:
         if self.loss_owner:
             for reduced in self._losses:
                 loss += reduced["lm loss"].detach().to("cpu", torch.float64)
-        counts = torch.tensor([sum(mb.real_tokens for mb in microbatches),
-                               sum(mb.padded_tokens for mb in microbatches)], dtype=torch.float64)
+        local = BatchTokens.from_lengths([n for mb in microbatches for n in mb.decoder_lengths.tolist()],
+                                         images=sum(mb.images.shape[0] for mb in microbatches),
+                                         seq_length=self.plan.seq_length)
+        # Summed over replicas in float64: exact up to 2**53 (attention pairs grow as gbs * seq_length**2 / 2).
+        counts = torch.tensor([getattr(local, name) for name in SUMMED_FIELDS], dtype=torch.float64)
         first_of_replica = (parallel_state.get_tensor_model_parallel_rank() == 0
                             and parallel_state.get_pipeline_model_parallel_rank() == 0
                             and parallel_state.get_context_parallel_rank() == 0)
-        payload = torch.cat([loss, counts if first_of_replica else torch.zeros(2, dtype=torch.float64)])
+        payload = torch.cat([loss, counts if first_of_replica else torch.zeros_like(counts)])
         if self.plan.device == "cuda":
             payload = payload.cuda()
         dist.all_reduce(payload)
@@ -182,7 +186,8 @@ class Trainer:
         if not math.isfinite(value):
             raise NonFiniteLoss(f"loss is {value} at step {step}")
         result.losses.append(value)
-        result.real_tokens_per_step, result.padded_tokens_per_step = int(payload[2]), int(payload[3])
+        result.batches.append(BatchTokens(**{name: float(v) for name, v in zip(SUMMED_FIELDS, payload[2:])},
+                                          seq_length=self.plan.seq_length))
 
     def run(self, on_step: Callable[[int], None] = lambda step: None) -> TrainResult:
         t = self.cfg.train

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_vlm_sweep.metrics.schema import (
+    COMPONENTS,
     FAILURE_FILE,
     ComponentSplit,
     Failure,
@@ -53,6 +54,8 @@ def preflight(plan: RunPlan) -> None:
     needs = []
     if plan.transformer_impl == "transformer_engine":
         needs.append((f"train.transformer_impl={plan.transformer_impl!r}", "transformer_engine", None))
+    if plan.fusions["gradient_accumulation"]:
+        needs.append(("fusions.gradient_accumulation=true", "fused_weight_gradient_mlp_cuda", None))
     if cfg.dispatcher.token_dispatcher == "flex":
         attr = "HybridEPBuffer" if cfg.dispatcher.flex_backend == "hybridep" else None
         needs.append((f"dispatcher.token_dispatcher='flex' with dispatcher.flex_backend="
@@ -145,33 +148,36 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[float, str]) -> Metrics:
-    from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, step_flops
+    from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
 
     cfg, world = plan.run_config, plan.layout.world_size
     times = result.step_times
     median, mean = statistics.median(times), statistics.fmean(times)
-    flops = step_flops(cfg, samples=cfg.batch.gbs, seq_length=plan.seq_length)
+    # The measured steps' batches (they vary per step): their mean step, against the median step time.
+    measured = BatchTokens.mean([b for b, phase in zip(result.batches, result.phases) if phase == "measured"])
+    flops = step_flops(cfg, measured, transformer_impl=plan.transformer_impl)
     model_tflops = flops["total"].model / median / world / 1e12
     hardware_tflops = flops["total"].hardware / median / world / 1e12
     split = None
     if result.split_seconds:
-        total = sum(result.split_seconds.values())
-        split = ComponentSplit(seconds=result.split_seconds,
-                               shares={k: v / total for k, v in result.split_seconds.items()},
+        # A component that did not run (no images, or no backward when frozen) reads 0, not missing.
+        seconds = {f"{c}.{d}": 0.0 for c in COMPONENTS for d in ("forward", "backward")} | result.split_seconds
+        total = sum(seconds.values())
+        split = ComponentSplit(seconds=seconds, shares={k: v / total for k, v in seconds.items()},
                                profile_steps=cfg.train.profile_steps, measured_on="rank 0 (first pipeline stage)")
     layout = {**dataclasses.asdict(plan.layout), "strategy": cfg.parallel.strategy,
               "fsdp_sharding": cfg.parallel.fsdp_sharding if cfg.parallel.strategy == "fsdp" else None,
               "num_microbatches": plan.num_microbatches, "mbs": cfg.batch.mbs, "gbs": cfg.batch.gbs,
               "seq_length": plan.seq_length, "precision": plan.precision, "transformer_impl": plan.transformer_impl,
               "token_dispatcher": cfg.dispatcher.token_dispatcher, "recompute": cfg.recompute.granularity}
-    padded, real = result.padded_tokens_per_step, result.real_tokens_per_step
+    padded, real = measured.padded_tokens, measured.real_tokens
     return Metrics(
         data_realism=cfg.data.realism, hardware=cfg.hardware.name, device=plan.device, layout=layout,
         step_time_s=StepTimes(median=median, p10=_quantile(times, 0.1), p90=_quantile(times, 0.9), mean=mean,
                               cv=statistics.pstdev(times) / mean if mean else 0.0, steps=times),
         tokens_per_s=padded / median, tokens_per_s_per_gpu=padded / median / world,
         effective_tokens_per_s=real / median, effective_tokens_per_s_per_gpu=real / median / world,
-        padded_tokens_per_step=padded, real_tokens_per_step=real, flops_per_step=flops,
+        padded_tokens_per_step=int(padded), real_tokens_per_step=real, flops_per_step=flops,
         model_tflops_per_s_per_gpu=model_tflops, hardware_tflops_per_s_per_gpu=hardware_tflops,
         mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
@@ -205,14 +211,15 @@ def run(run_dir: Path) -> None:
     init_distributed(plan)
     from megatron.core import parallel_state
 
-    from moe_vlm_sweep.data.synthetic import SyntheticImages
+    from moe_vlm_sweep.data import make_source
     from moe_vlm_sweep.model.build import build_model_chunks
     from moe_vlm_sweep.train.loop import Trainer
 
     cfg = plan.run_config
     peak = measure_peak_tflops(plan)
-    source = SyntheticImages(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs,
-                             dp_rank=parallel_state.get_data_parallel_rank())
+    source = make_source(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs,
+                         dp_rank=parallel_state.get_data_parallel_rank(),
+                         dp_size=parallel_state.get_data_parallel_world_size())
     trainer = Trainer(plan, build_model_chunks(plan), source)
     result = trainer.run(on_step=_note_step)
     memory = _peak_memory_gib(plan)

@@ -1,0 +1,110 @@
+"""``webdataset``: real image-caption pairs read from ``.tar`` shards with the ``webdataset`` loader.
+
+A record is ``<key>.jpg|jpeg|png`` (the encoded image file) plus ``<key>.txt`` (its caption), the layout of
+img2dataset's CC3M/LAION shards. Images are decoded and resized to ``model.vision.image_size`` (RGB, [0, 1]); a
+sample takes ``model.images_per_sample`` consecutive records and joins their captions. Decoding and resizing run
+inside the timed step on the training process, as they would without loader workers, so their cost is real.
+Captions become byte-level ids (utf-8 byte b -> 1 + b mod (vocab_size - 1)): no tokenizer is needed, the
+lengths (hence the padding) are the captions' own. Data-parallel rank r of d reads records r, r + d, ...; the
+shards repeat endlessly. Realism ``real_images``.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+
+from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf
+from moe_vlm_sweep.data.batch import FIRST_TEXT_ID, MicroBatch, layout
+
+IMAGE_KEYS = "jpg;jpeg;png"
+
+
+def shard_urls(pattern: str | None) -> list[str]:
+    """``data.shards``: a brace pattern (``/d/{000..009}.tar``), a glob, or one path; every file must exist."""
+    if not pattern:
+        raise ConfigFieldError("data.shards must name the .tar shards when data.name='webdataset' "
+                               "(e.g. data.shards='/data/cc3m/{000000..000099}.tar')")
+    urls = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else wds.shardlists.expand_urls(pattern)
+    missing = [u for u in urls if not Path(u).is_file()]
+    if not urls or missing:
+        raise ConfigFieldError(f"data.shards={pattern!r} must name existing .tar shards; "
+                               f"{'missing: ' + ', '.join(missing[:3]) if missing else 'it matches no file'}")
+    return urls
+
+
+def caption_ids(caption: str, vocab_size: int) -> torch.Tensor:
+    data = np.frombuffer(caption.strip().encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    return torch.from_numpy(FIRST_TEXT_ID + data % (vocab_size - FIRST_TEXT_ID))
+
+
+def to_pixels(image: Image.Image, size: int) -> torch.Tensor:
+    """[3, size, size] float in [0, 1]: RGB (grey and palette images converted), bicubic resize."""
+    rgb = image.convert("RGB").resize((size, size), Image.Resampling.BICUBIC)
+    return torch.from_numpy(np.asarray(rgb, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
+
+
+class WebDatasetShards:
+    """Micro-batches from real shards, in order; ``fixed_batch`` repeats the first step's batch."""
+
+    realism = "real_images"
+
+    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
+                 dp_size: int = 1):
+        if model.images_per_sample < 1:
+            raise ConfigFieldError(f"data.name='webdataset' needs model.images_per_sample >= 1, got "
+                                   f"{model.images_per_sample} (use data=mock_text for text only)")
+        self.model, self.data, self.mbs = model, data, micro_batch_size
+        self.urls = shard_urls(data.shards)
+        self.records = itertools.islice(self._endless(), dp_rank, None, dp_size)
+        self.fixed: list[MicroBatch] | None = None
+
+    def _endless(self) -> Iterator[tuple[Image.Image, str]]:
+        # nodesplitter=None: ranks are split by data-parallel rank below, not by torch.distributed rank (the
+        # tensor- and pipeline-parallel peers of a replica must read the same records).
+        dataset = (wds.WebDataset(self.urls, shardshuffle=False, nodesplitter=None)
+                   .decode("pil").to_tuple(IMAGE_KEYS, "txt"))
+        while True:
+            count = 0
+            for record in dataset:
+                count += 1
+                yield record
+            if count == 0:
+                raise ValueError(f"data.shards={self.data.shards!r} holds no record with an image "
+                                 f"({IMAGE_KEYS}) and a .txt caption")
+
+    def microbatch(self) -> MicroBatch:
+        m, n_img = self.model, self.model.images_per_sample
+        room = m.text_tokens - n_img
+        images, texts = [], []
+        for _ in range(self.mbs):
+            records = [next(self.records) for _ in range(n_img)]
+            images += [to_pixels(image, m.vision.image_size) for image, _ in records]
+            caption = " ".join(text.strip() for _, text in records)
+            texts.append(caption_ids(caption, m.decoder.vocab_size)[:room])
+        return layout(torch.stack(images), texts, images_per_sample=n_img, row_length=m.text_tokens,
+                      image_tokens=m.image_tokens)
+
+    def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:
+        if self.data.fixed_batch and self.fixed is not None:
+            return self.fixed
+        batches = [self.microbatch() for _ in range(num_microbatches)]
+        if self.data.fixed_batch:
+            self.fixed = batches
+        return batches
+
+
+def write_shards(records: Sequence[tuple[str, bytes, str, str]], pattern: str, *, per_shard: int) -> list[str]:
+    """Write ``(key, encoded image bytes, extension, caption)`` records as shards ``pattern % index``, the
+    layout the loader reads (tests and small local datasets)."""
+    with wds.ShardWriter(pattern, maxcount=per_shard, verbose=0) as sink:
+        for key, image, ext, caption in records:
+            sink.write({"__key__": key, ext: image, "txt": caption})
+    return sorted(glob.glob(pattern.replace("%06d", "*")))
