@@ -134,9 +134,10 @@ def _end_orphans(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path):
+@pytest.mark.parametrize("stale", ["fail", "retry"])
+def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path, stale):
     conf = private_conf(tmp_path, {"small": SMALL_SPACE})
-    command = ["run", "-m", "sweep=small"]
+    command = ["run", "-m", "sweep=small", f"sweep.resume.stale={stale}"]
     sweep = start_cli(command, cwd=tmp_path, conf=conf, log=tmp_path / "first.log")
     try:
         deadline = time.monotonic() + 300
@@ -164,6 +165,13 @@ def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path):
     assert len(interrupted) == 1
     run = children_by_trial(mlflow_runs(tmp_path))[int(interrupted[0].split(".")[1])]
     assert (run.info.status, run.data.tags["moe_vlm_sweep.failure_class"]) == ("KILLED", "interrupted")
+    number = int(interrupted[0].split(".")[1])
+    retries = [t for t in study.get_trials() if t.user_attrs.get("retry_of") == number]
+    if stale == "retry":  # re-run once, with the interrupted trial's exact parameters
+        assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
+        assert retries[0].params == study.trials[number].params
+    else:
+        assert retries == []
 
 
 def _postgres_url(tmp_path: Path):
@@ -231,3 +239,25 @@ def test_grid_sweep_runs_on_the_basic_sweeper(tmp_path):
     assert proc.stderr.count("batch.gbs=4 must be divisible by batch.mbs") == 2
     assert len(list((tmp_path / "outputs" / "multirun").glob("*/[01]"))) == 2
     assert not (tmp_path / "outputs" / "sweeps").exists()
+
+
+MIXED_REALISM_SPACE = HEADER + """
+n_trials: 4
+objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
+fixed: [model=tiny, train.warmup_steps=1, train.steps=2, train.profile_steps=0]
+params:
+  data: [synthetic_images, mock_text]
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_over_mixed_data_realism_stops_clearly(tmp_path):
+    conf = private_conf(tmp_path, {"mixed": MIXED_REALISM_SPACE})
+    proc = cli(["run", "-m", "sweep=mixed", "sweep.seed=1"], cwd=tmp_path, conf=conf, check=False)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "data.realism" in text and "mock_text" in text and "synthetic_images" in text, text[-3000:]
+    study = only_study(tmp_path)
+    realisms = {t.user_attrs.get("data_realism") for t in study.get_trials()
+                if t.state == TrialState.COMPLETE}
+    assert len(realisms - {None}) <= 1  # nothing of a second realism was ever ranked
