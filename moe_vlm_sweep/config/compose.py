@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from moe_vlm_sweep.config.schema import ConfigFieldError, RunConfig
 from moe_vlm_sweep.config.store import register
+from moe_vlm_sweep.config.typed import to_typed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = Path(os.environ.get("MOE_VLM_SWEEP_CONF", REPO_ROOT / "conf"))
@@ -43,15 +44,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     if unknown:
         raise CompositionError(f"unknown config key(s): {', '.join(unknown)} (see conf/ and "
                                "moe_vlm_sweep/config/schema.py for the valid ones)")
-    try:
-        return OmegaConf.to_object(cfg)
-    except ConfigFieldError:
-        raise
-    except OmegaConfBaseException as exc:
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, ConfigFieldError):
-            raise cause from None
-        raise CompositionError(str(exc)) from None
+    return to_typed(cfg, own_error=ConfigFieldError, wrap=lambda exc: CompositionError(str(exc)))
 
 
 def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config") -> DictConfig:

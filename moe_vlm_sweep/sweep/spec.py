@@ -13,6 +13,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from moe_vlm_sweep.config.typed import to_typed
+
 
 class SweepSpecError(ValueError):
     """The ``sweep`` node or its search space is malformed; the message names the knob and the rule."""
@@ -99,13 +101,12 @@ class SweepConf:
 
 def load_spec(node: DictConfig | dict | None) -> SweepConf:
     """Typed SweepConf from the composed ``sweep`` node (None: all defaults, for apps without a space file)."""
+    def wrap(exc: OmegaConfBaseException) -> SweepSpecError:
+        return SweepSpecError(f"sweep: {exc}".replace("full_key: ", "full_key: sweep."))
+
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SweepConf), node if node is not None else {})
-        return OmegaConf.to_object(merged)
-    except SweepSpecError:
-        raise
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, SweepSpecError):
-            raise cause from None
-        raise SweepSpecError(f"sweep: {exc}".replace("full_key: ", "full_key: sweep.")) from None
+        raise (cause if isinstance(cause, SweepSpecError) else wrap(exc)) from None
+    return to_typed(merged, own_error=SweepSpecError, wrap=wrap)
