@@ -17,9 +17,12 @@ FAST_TRAIN = ["train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
 
 
 def private_conf(tmp_path: Path, spaces: dict[str, str] | None = None) -> Path:
-    """conf/ copied (the sweep group's symlink followed) plus extra space files ``name -> yaml``."""
+    """conf/ copied (the sweep group's symlink followed) plus extra space files ``name -> yaml``.
+
+    The user's exported experiments (``conf/experiment/``, written by ``best``) are left out: tests start clean."""
     conf = tmp_path / "conf"
-    shutil.copytree(CONF_DIR, conf, symlinks=False)
+    shutil.copytree(CONF_DIR, conf, symlinks=False,
+                    ignore=lambda d, names: ["experiment"] if Path(d) == CONF_DIR else [])
     for name, text in (spaces or {}).items():
         (conf / "sweep" / f"{name}.yaml").write_text(text)
     return conf
