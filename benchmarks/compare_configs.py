@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -24,10 +25,14 @@ from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.plan.plan import make_plan
 from moe_vlm_sweep.plan.rules import ConfigError
 
-COLUMNS = ("config", "status", "step_ms", "cv_%", "eff_tok/s/gpu", "tok_ratio", "mfu_%", "hfu_%", "mem_gib")
+COLUMNS = ("config", "status", "step_ms", "cv_%", "eff_tok/s/gpu", "tok_ratio", "mfu_%", "hfu_%", "mem_gib",
+           "graphed", "last_loss")
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
+    """The code's commit: ``GIT_COMMIT`` where the tree travelled without ``.git`` (the GPU machine), else git's."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     return proc.stdout.strip() or "unknown"
 
@@ -47,7 +52,8 @@ def run_one(name: str, overrides: list[str], outputs: Path) -> dict:
         row.update(step_time_s=m["step_time_s"], effective_tokens_per_s_per_gpu=m["effective_tokens_per_s_per_gpu"],
                    tokens_per_s_per_gpu=m["tokens_per_s_per_gpu"], mfu=m["mfu"], hfu=m["hfu"],
                    peak_memory_gib=m["peak_memory_gib"], component_split=m["component_split"],
-                   data_realism=m["data_realism"], peak_tflops=m["peak_tflops"], peak_source=m["peak_source"])
+                   data_realism=m["data_realism"], peak_tflops=m["peak_tflops"], peak_source=m["peak_source"],
+                   graphed_layers=m["graphed_layers"], loss=m["loss"])
     else:
         log = Path(run_dir, "worker.log").read_text(errors="replace")
         row["log_tail"] = log[-3000:]
@@ -65,7 +71,8 @@ def table(rows: list[dict]) -> str:
         ratio = r["effective_tokens_per_s_per_gpu"] / base["effective_tokens_per_s_per_gpu"]
         lines.append(" | ".join([r["config"], "ok", f"{st['median'] * 1e3:.1f}", f"{st['cv'] * 100:.1f}",
                                  f"{r['effective_tokens_per_s_per_gpu']:.0f}", f"{ratio:.2f}",
-                                 f"{r['mfu'] * 100:.2f}", f"{r['hfu'] * 100:.2f}", f"{r['peak_memory_gib']:.1f}"]))
+                                 f"{r['mfu'] * 100:.2f}", f"{r['hfu'] * 100:.2f}", f"{r['peak_memory_gib']:.1f}",
+                                 str(r["graphed_layers"]), f"{r['loss']['values'][-1]:.4f}"]))
     return "\n".join(lines)
 
 
@@ -79,15 +86,15 @@ def main() -> int:
     args = parser.parse_args()
     common = shlex.split(args.common)
     rows = []
-    for spec in args.config:
+    for spec in args.config:  # the JSON is rewritten after every config: a cut-off call keeps what it measured
         name, _, overrides = spec.partition("=")
         rows.append(run_one(name, [*common, *shlex.split(overrides)], Path(args.outputs)))
         print(f"{name}: {rows[-1]['status']} {rows[-1].get('reason', '')}", flush=True)
+        Path(args.out).write_text(json.dumps({
+            "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "table": table(rows), "runs": rows,
+        }, indent=2) + "\n")
     print(table(rows))
-    Path(args.out).write_text(json.dumps({
-        "command": shlex.join(["python", *sys.argv]), "git_commit": _git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "table": table(rows), "runs": rows,
-    }, indent=2) + "\n")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

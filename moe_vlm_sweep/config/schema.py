@@ -216,7 +216,8 @@ class CudaGraphConf:
     impl: str = "none"
     modules: list[str] = field(default_factory=list)
     """megatron-core ``cuda_graph_modules``; empty with a graph impl means whole layers."""
-    warmup_steps: int = 3
+    warmup_steps: int = 1
+    """Eager steps before TE graphs are captured (TE's own capture then warms each layer up to 10 times)."""
 
     def __post_init__(self) -> None:
         _choice("cuda_graph.impl", self.impl, ("none", "local", "transformer_engine", "full_iteration"))

@@ -80,10 +80,20 @@ def experiment_yaml(overrides: Sequence[str], conf_dir: Path, *, header: str = "
     return f"# @package _global_\n{header}{body}"
 
 
-def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int) -> list[Exported]:
-    """Write the top ``top_k`` trials (experiment configs, override files, commands); return them."""
+def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
+           confirmed: Optional[FrozenTrial] = None) -> list[Exported]:
+    """Write the top ``top_k`` trials (experiment configs, override files, commands); return them.
+
+    ``confirmed``: the trial that held in confirmation re-runs (``export.confirm``); it becomes rank 1, so
+    ``<study>_best``, ``overrides.yaml`` and ``command.sh`` replay it, and the others keep the study's order.
+    """
     realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    top = ranked(study)[:top_k]
+    top = ranked(study)
+    if confirmed is not None:
+        if confirmed.number not in {t.number for t in top}:
+            raise ExportError(f"trial #{confirmed.number} is not a ranked (completed) trial of {study.study_name}")
+        top = [confirmed, *(t for t in top if t.number != confirmed.number)]
+    top = top[:top_k]
     out = sweep_dir / "best"
     out.mkdir(parents=True, exist_ok=True)
     (conf_dir / "experiment").mkdir(parents=True, exist_ok=True)
@@ -91,8 +101,9 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int) 
     for rank, trial in enumerate(top, 1):
         name = f"{study.study_name}_best" if rank == 1 else f"{study.study_name}_t{trial.number}"
         overrides = list(trial.user_attrs.get("overrides", []))
-        header = (f"# Trial #{trial.number} of study {study.study_name} (rank {rank}, values {trial.values}, data "
-                  f"realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n")
+        held = " after confirmation re-runs, see best/confirm.json" if trial is confirmed else ""
+        header = (f"# Trial #{trial.number} of study {study.study_name} (rank {rank}{held}, values {trial.values}, "
+                  f"data realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n")
         write_atomic(conf_dir / "experiment" / f"{name}.yaml", experiment_yaml(overrides, conf_dir, header=header))
         exported.append(Exported(rank=rank, trial=trial, experiment=name, overrides=overrides))
     if exported:
@@ -102,6 +113,7 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int) 
                                          f"{best.command}\n# equivalently:\n# {rerun_command(best.overrides)}\n")
         summary = [{"rank": e.rank, "trial": e.trial.number, "values": list(e.trial.values),
                     "data_realism": realism, "experiment": e.experiment, "command": e.command,
-                    "overrides": e.overrides, "run_dir": e.trial.user_attrs.get("run_dir")} for e in exported]
+                    "overrides": e.overrides, "run_dir": e.trial.user_attrs.get("run_dir"),
+                    "confirmed": e.trial is confirmed} for e in exported]
         write_atomic(out / "top.yaml", yaml.safe_dump(summary, sort_keys=False))
     return exported

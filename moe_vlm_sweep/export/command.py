@@ -1,4 +1,8 @@
-"""``moe-vlm-sweep best [STUDY]``: rank a study, write its top configs, print how to re-run the winner."""
+"""``moe-vlm-sweep best [STUDY]``: rank a study, write its top configs, print how to re-run the winner.
+
+``--confirm N`` first re-runs each of the ``--top`` trials N times and exports the one whose median holds
+(``moe_vlm_sweep.export.confirm``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,10 @@ import optuna
 
 from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.export.best import ExportError, export, realism_of
+from moe_vlm_sweep.export.confirm import CONFIRM_FILE, confirm
+from moe_vlm_sweep.export.confirm import table as confirm_table
 from moe_vlm_sweep.sweep.progress import table
+from moe_vlm_sweep.sweep.spec import SweepSpecError
 from moe_vlm_sweep.sweep.study import open_storage
 
 
@@ -40,14 +47,31 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--storage", help="Optuna storage URL (default: OUTPUTS/sweeps/STUDY/optuna.db)")
     parser.add_argument("--outputs", default="outputs", help="outputs folder (default: outputs)")
     parser.add_argument("--top", type=int, default=3, help="how many trials to export (default: 3)")
+    parser.add_argument("--confirm", type=int, default=0, metavar="N",
+                        help="re-run each of the --top trials N times first and export the one whose median "
+                             "holds (default: 0, no re-runs)")
     args = parser.parse_args(list(argv))
     outputs = Path(args.outputs)
     try:
         name, storage = _find_study(outputs, args.study, args.storage)
         study = optuna.load_study(study_name=name, storage=open_storage(storage))
-        exported = export(study, sweep_dir=outputs / "sweeps" / name, conf_dir=CONF_DIR, top_k=args.top)
+        sweep_dir = outputs / "sweeps" / name
+        held = None
+        if args.confirm:
+            print(f"confirm: re-running the top {args.top} trial(s) {args.confirm} time(s) each under "
+                  f"{sweep_dir / 'confirm'}", flush=True)
+            confirmation = confirm(study, sweep_dir=sweep_dir, top_k=args.top, repeats=args.confirm,
+                                   progress=lambda line: print(line, flush=True))
+            held = confirmation.winner
+            if confirmation.candidates:
+                print(f"\n{confirm_table(confirmation)}\n  details: {sweep_dir / 'best' / CONFIRM_FILE}\n")
+            if confirmation.candidates and held is None:
+                print("error: no candidate held: each had a failed re-run; nothing exported", file=sys.stderr)
+                return 1
+        exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=args.top,
+                          confirmed=held.trial if held else None)
         realism = realism_of([e.trial for e in exported])
-    except (ExportError, KeyError) as exc:
+    except (ExportError, SweepSpecError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not exported:
@@ -55,6 +79,7 @@ def main(argv: Sequence[str]) -> int:
         return 1
     metrics = study.user_attrs.get("objective_metrics", [f"value{i}" for i in range(len(study.directions))])
     print(table([e.trial for e in exported], metrics, realism=realism))
-    print(f"\nbest: trial #{exported[0].trial.number} (data realism {realism})\n  {exported[0].command}\n"
-          f"  files: {outputs / 'sweeps' / name / 'best'}, {CONF_DIR / 'experiment' / exported[0].experiment}.yaml")
+    how = (f", confirmed: median {held.median_values[0]:.4g} over {args.confirm} re-run(s)" if held else "")
+    print(f"\nbest: trial #{exported[0].trial.number} (data realism {realism}{how})\n  {exported[0].command}\n"
+          f"  files: {sweep_dir / 'best'}, {CONF_DIR / 'experiment' / exported[0].experiment}.yaml")
     return 0

@@ -112,6 +112,9 @@ class Metrics:
     predicted_peak_memory_gib: Optional[float] = None
     """The planner's prediction, when it has one."""
     loss: Loss
+    graphed_layers: int = 0
+    """Decoder layers per rank that replayed CUDA graphs in the measured steps (0 with ``cuda_graph=none``);
+    a graph scope that graphed nothing fails the run instead of being measured as eager."""
     component_split: Optional[ComponentSplit] = None
     """None when train.profile_steps is 0."""
     accounting_notes: list[str] = field(default_factory=list)

@@ -66,6 +66,7 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         masked_softmax_fusion=fu["masked_softmax"], moe_permute_fusion=fu["moe_permute"],
         cross_entropy_loss_fusion=fu["cross_entropy"], gradient_accumulation_fusion=fu["gradient_accumulation"],
         cuda_graph_impl=cg.impl, cuda_graph_modules=list(cg.modules), cuda_graph_warmup_steps=cg.warmup_steps,
+        use_te_rng_tracker=plan.graph_rng == "te",
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
         # Per-token loss: the schedule sums (loss, tokens) over micro-batches and finalize_model_grads divides the
         # gradients by the step's real-token count, so the loss is averaged over real tokens, not micro-batches.

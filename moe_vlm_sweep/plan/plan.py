@@ -58,6 +58,14 @@ class RunPlan:
     def run_config(self) -> RunConfig:
         return from_dict(RunConfig, self.config)
 
+    @property
+    def graph_rng(self) -> str:
+        """The RNG tracker CUDA graphs can capture: ``te`` (TE's tracker, with TE specs), ``cudagraphable``
+        (megatron's, for ``local`` graphs without TE) or ``default`` (no per-layer graphs)."""
+        if self.run_config.cuda_graph.impl not in ("local", "transformer_engine"):
+            return "default"
+        return "te" if self.transformer_impl == "transformer_engine" else "cudagraphable"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -108,7 +116,6 @@ def make_plan(cfg: RunConfig, overrides: list[str] | tuple[str, ...] = ()) -> Ru
         transformer_impl=cfg.train.resolved_transformer_impl(cfg.hardware.device),
         fusions=cfg.fusions.resolved(on_gpu=on_gpu),
     )
-
 
 
 def describe(plan: RunPlan) -> str:

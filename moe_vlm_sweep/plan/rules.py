@@ -324,8 +324,11 @@ def graph_mamba_needs_mamba(cfg: RunConfig) -> Optional[str]:
 
 @rule
 def graph_moe_needs_drop_and_pad(cfg: RunConfig) -> Optional[str]:
-    if "moe" in cfg.cuda_graph.modules and not _drop_and_pad(cfg):
-        return ("cuda_graph.modules contains moe, which needs drop-and-pad (static shapes): set "
+    g = cfg.cuda_graph
+    whole_layers = g.impl == "transformer_engine" and not g.modules
+    if ("moe" in g.modules or whole_layers) and not _drop_and_pad(cfg):
+        scope = "contains moe" if g.modules else "is empty (whole layers, experts included)"
+        return (f"cuda_graph.modules {scope}, which needs drop-and-pad (static shapes): set "
                 "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
 
 
@@ -363,16 +366,27 @@ def moe_recompute_excludes_router_graph(cfg: RunConfig) -> Optional[str]:
 @rule
 def graph_warmup_within_warmup(cfg: RunConfig) -> Optional[str]:
     g, t = cfg.cuda_graph, cfg.train
-    if g.impl != "none" and g.warmup_steps > t.warmup_steps:
-        return (f"cuda_graph.warmup_steps={g.warmup_steps} must be <= train.warmup_steps={t.warmup_steps}, "
-                "so that capture never falls inside the timed steps")
+    if g.impl == "transformer_engine" and g.warmup_steps >= t.warmup_steps:
+        return (f"cuda_graph.warmup_steps={g.warmup_steps} must be < train.warmup_steps={t.warmup_steps}: TE "
+                "graphs are captured after cuda_graph.warmup_steps eager steps, and at least one graphed warmup "
+                "step must follow before the timed steps")
 
 
 @rule
-def graph_capture_not_yet_supported(cfg: RunConfig) -> Optional[str]:
-    if cfg.cuda_graph.impl in ("local", "transformer_engine"):
-        return (f"cuda_graph.impl={cfg.cuda_graph.impl}: graph capture of LLaVAModel is not implemented in the "
-                "worker yet (TECudaGraphHelper does not find LLaVA's decoder layers); use cuda_graph=none")
+def layer_graphs_vs_fsdp_param_sharding(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if (cfg.cuda_graph.impl in ("local", "transformer_engine") and p.strategy == "fsdp"
+            and p.fsdp_sharding == "optim_grads_params"):
+        return (f"cuda_graph.impl={cfg.cuda_graph.impl} with parallel.fsdp_sharding=optim_grads_params: Megatron-FSDP "
+                "gathers each layer's parameters in forward hooks that a graph replay skips; use "
+                "parallel.fsdp_sharding=optim_grads or optim, or parallel=3d")
+
+
+@rule
+def te_graphs_need_te_specs(cfg: RunConfig) -> Optional[str]:
+    if cfg.cuda_graph.impl == "transformer_engine" and cfg.hardware.device == "cuda" and not _uses_te(cfg):
+        return ("cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
+                "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)")
 
 
 # --- MoE dispatcher ----------------------------------------------------------------------------------------

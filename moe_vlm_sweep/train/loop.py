@@ -1,8 +1,11 @@
 """Warmup, measured and profiling steps of one run, with real gradient accumulation through megatron's schedules.
 
 Per step: zero the grad buffers and the optimizer, run ``get_forward_backward_func()`` over ``num_microbatches``
-(PP=1, PP>1 and interleaved VPP alike), ``optimizer.step()``. Measured steps carry no hooks and no extra syncs
-beyond one at the end of the step; the per-component split comes from separate profiling steps afterwards.
+(PP=1, PP>1 and interleaved VPP alike), ``optimizer.step()``. The step's micro-batches are made and copied to the
+device before its clock starts, as a prefetching data loader would have them ready. Measured steps carry no hooks
+and no extra syncs beyond one at the end of the step; the per-component split comes from separate profiling steps
+afterwards. TE CUDA graphs are captured after ``cuda_graph.warmup_steps`` eager steps, as Megatron-LM does; the
+``local`` implementation captures itself inside megatron's schedules.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megatron.core.transformer.module import Float16Module
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
 from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
+from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs, local_graphed_layers, numbered
 
 
 class NonFiniteLoss(RuntimeError):
@@ -46,6 +50,8 @@ class TrainResult:
     and token rates are computed from."""
     split_seconds: Optional[dict[str, float]] = None
     """Mean seconds per profiling step per phase, or None without profiling steps."""
+    graphed_layers: int = 0
+    """Decoder layers (per rank) replaying TE CUDA graphs in the measured steps."""
 
 
 def _sync(device: str) -> None:
@@ -91,8 +97,8 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
 
 
-def _forward_step(device: str, image_dtype: torch.dtype, data_iterator, model):
-    mb: MicroBatch = next(data_iterator).to(device, image_dtype)
+def _forward_step(data_iterator, model):
+    mb: MicroBatch = next(data_iterator)
     output, loss_mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
                               attention_mask=None, labels=mb.labels, loss_mask=mb.loss_mask)
     return output, partial(_loss_func, loss_mask)
@@ -149,19 +155,29 @@ class Trainer:
                            and parallel_state.get_tensor_model_parallel_rank() == 0
                            and parallel_state.get_context_parallel_rank() == 0)
 
-    def _step(self, step: int) -> list[MicroBatch]:
-        microbatches = self.source.step(step, self.plan.num_microbatches)
-        iterators = [iter(microbatches) for _ in self.models]
+    def _fetch(self, step: int) -> list[MicroBatch]:
+        """The step's micro-batches, on the device (what a prefetching loader hands over)."""
+        return [mb.to(self.plan.device, self.image_dtype)
+                for mb in self.source.step(step, self.plan.num_microbatches)]
+
+    def _step(self, microbatches: list[MicroBatch]) -> None:
+        iterators = [numbered(microbatches, model) for model in self.models]
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._losses = self.forward_backward(
-            forward_step_func=partial(_forward_step, self.plan.device, self.image_dtype),
+            forward_step_func=_forward_step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.models, num_microbatches=self.plan.num_microbatches, seq_length=self.plan.seq_length,
             micro_batch_size=self.cfg.batch.mbs, decoder_seq_length=self.plan.seq_length, forward_only=False)
         self.optimizer.step()
-        return microbatches
+
+    def _capture_graphs(self) -> int:
+        """TE CUDA graphs of the decoder layers under ``cuda_graph.modules``; megatron's helper resets the grad
+        buffers and optimizer grads after capture, so the next step starts clean."""
+        helper = LLaVADecoderGraphs(self.models, self.config, seq_length=self.plan.seq_length,
+                                    micro_batch_size=self.cfg.batch.mbs, optimizers=[self.optimizer])
+        return helper.capture()
 
     def _reduce(self, step: int, microbatches: list[MicroBatch], result: TrainResult) -> None:
         """World-wide loss over real tokens and token counts (each DP rank counted once)."""
@@ -199,15 +215,16 @@ class Trainer:
         handles: list = []
         for step, phase in enumerate(schedule):
             on_step(step)
-            # CUDA-graph capture (cuda_graph.impl, a later GPU issue) belongs here: after the warmup steps,
-            # before the first measured one.
+            if self.cfg.cuda_graph.impl == "transformer_engine" and step == self.cfg.cuda_graph.warmup_steps:
+                result.graphed_layers = self._capture_graphs()
+            microbatches = self._fetch(step)
             if phase == "profile" and not handles:
                 handles = self._start_profiling(clock)
             if phase == "profile":
                 clock.mark("other")
             _sync(self.plan.device)
             start = time.perf_counter()
-            microbatches = self._step(step)
+            self._step(microbatches)
             _sync(self.plan.device)
             elapsed = time.perf_counter() - start
             if phase == "profile":
@@ -216,6 +233,8 @@ class Trainer:
                 result.step_times.append(elapsed)
             self._reduce(step, microbatches, result)
             result.phases.append(phase)
+            if self.cfg.cuda_graph.impl == "local" and step == 0:
+                result.graphed_layers = local_graphed_layers(self.models)
         for handle in handles:
             handle.remove()
         if t.profile_steps:

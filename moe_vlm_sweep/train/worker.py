@@ -103,7 +103,8 @@ def init_distributed(plan: RunPlan) -> None:
         expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
     # CPU initialisation draws from torch's default generator: the same seed everywhere keeps replicas equal.
     torch.manual_seed(cfg.train.seed)
-    model_parallel_cuda_manual_seed(cfg.train.seed)
+    model_parallel_cuda_manual_seed(cfg.train.seed, te_rng_tracker=plan.graph_rng == "te",
+                                    use_cudagraphable_rng=plan.graph_rng == "cudagraphable")
     init_num_microbatches_calculator(rank, None, cfg.batch.gbs, cfg.batch.mbs, p.dp)
 
 
@@ -181,7 +182,8 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         model_tflops_per_s_per_gpu=model_tflops, hardware_tflops_per_s_per_gpu=hardware_tflops,
         mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
-        loss=Loss(values=result.losses, phases=result.phases), component_split=split,
+        loss=Loss(values=result.losses, phases=result.phases), graphed_layers=result.graphed_layers,
+        component_split=split,
         accounting_notes=list(ACCOUNTING_NOTES),
     )
 

@@ -1,0 +1,224 @@
+"""Confirmation re-runs: before a best config is exported, re-run the top trials and keep the one that holds.
+
+One measurement per config ranks noise as much as configs when they are close, so each of the top ``top_k``
+completed trials is re-run ``repeats`` times with its exact overrides, on the path of ``moe-vlm-sweep run``
+(compose -> make_plan -> new run dir -> launch), each repeat in a fresh run directory under
+``<sweep_dir>/confirm/``. Repeats go round-robin over the candidates (A1 B1 C1 A2 B2 C2), so a drift of the
+machine spreads over all of them instead of penalizing the last. The winner is the candidate whose median over
+its repeats is best on the study's first objective; a candidate with any failed repeat cannot win. The step-time
+CV across the repeats' median step times is reported against :data:`CV_TARGET`; it does not pick the winner.
+Everything lands in ``<sweep_dir>/best/confirm.json``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import optuna
+from omegaconf import OmegaConf
+from optuna.trial import FrozenTrial, TrialState
+
+from moe_vlm_sweep.config.compose import compose_config, to_run_config
+from moe_vlm_sweep.export.best import ExportError, ranked, realism_of
+from moe_vlm_sweep.launch.local import launch
+from moe_vlm_sweep.launch.result import RunResult
+from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare, write_json_atomic
+from moe_vlm_sweep.plan.plan import RunPlan, make_plan
+from moe_vlm_sweep.sweep.spec import ObjectiveConf
+from moe_vlm_sweep.sweep.trial import INVALID_ERRORS, outcome_of_result
+
+CV_TARGET = 0.02
+CONFIRM_FILE = "confirm.json"
+
+
+@dataclass(kw_only=True)
+class Repeat:
+    """One re-run of a candidate: its objective values and step times, or why it failed."""
+
+    status: str
+    """``ok`` or the failure class of the run (invalid | oom | crash | timeout | nan | realism)."""
+    reason: str = ""
+    run_dir: Optional[str] = None
+    values: Optional[list[float]] = None
+    step_time_median_s: Optional[float] = None
+    step_time_cv: Optional[float] = None
+    """The run's own CV over its measured steps (metrics.json ``step_time_s.cv``)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    rank: int
+    """The trial's rank in the study before confirmation."""
+    trial: FrozenTrial
+    repeats: list[Repeat] = field(default_factory=list)
+
+    @property
+    def overrides(self) -> list[str]:
+        return list(self.trial.user_attrs.get("overrides", []))
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.repeats) and all(r.ok for r in self.repeats)
+
+    @property
+    def median_values(self) -> Optional[list[float]]:
+        """Per objective, the median over the repeats; None unless every repeat succeeded."""
+        if not self.ok:
+            return None
+        return [statistics.median(vs) for vs in zip(*(r.values for r in self.repeats))]
+
+    @property
+    def step_time_cv(self) -> Optional[float]:
+        """pstdev / mean of the successful repeats' median step times; None with fewer than two."""
+        times = [r.step_time_median_s for r in self.repeats if r.ok]
+        return statistics.pstdev(times) / statistics.fmean(times) if len(times) >= 2 else None
+
+    @property
+    def meets_cv_target(self) -> bool:
+        return self.ok and self.step_time_cv is not None and self.step_time_cv <= CV_TARGET
+
+
+@dataclass(kw_only=True)
+class Confirmation:
+    study_name: str
+    objective_metrics: list[str]
+    directions: list[str]
+    data_realism: Optional[str]
+    repeats: int
+    candidates: list[Candidate]
+
+    @property
+    def winner(self) -> Optional[Candidate]:
+        """Best median of the first objective among candidates whose every repeat succeeded; ties keep the
+        study's order."""
+        held = [c for c in self.candidates if c.ok]
+        if not held:
+            return None
+        sign = -1.0 if self.directions[0] == "maximize" else 1.0
+        return min(held, key=lambda c: (sign * c.median_values[0], c.rank))
+
+    def to_dict(self) -> dict[str, Any]:
+        winner = self.winner
+        return {
+            "study": self.study_name, "objective_metrics": self.objective_metrics, "directions": self.directions,
+            "data_realism": self.data_realism, "repeats": self.repeats, "cv_target": CV_TARGET,
+            "winner": winner.trial.number if winner else None,
+            "candidates": [{
+                "rank": c.rank, "trial": c.trial.number, "overrides": c.overrides,
+                "original_values": list(c.trial.values), "ok": c.ok, "holds": c is winner,
+                "median_values": c.median_values, "step_time_cv_across_repeats": c.step_time_cv,
+                "meets_cv_target": c.meets_cv_target,
+                "repeats": [asdict(r) for r in c.repeats],
+            } for c in self.candidates],
+        }
+
+
+def objective_of(study: optuna.Study) -> ObjectiveConf:
+    """The sweep objective the study was created with (its ``objective_metrics`` and directions)."""
+    metrics = study.user_attrs.get("objective_metrics")
+    if not metrics:
+        raise ExportError(f"study {study.study_name} has no objective_metrics (not made by a moe-vlm-sweep "
+                          "sweep): cannot tell which metric to confirm")
+    directions = [d.name.lower() for d in study.directions]
+    objective = ObjectiveConf(metric=metrics[0], direction=directions[0], peak_memory=len(metrics) > 1)
+    if objective.metrics != list(metrics) or objective.directions != directions:
+        raise ExportError(f"study {study.study_name}: objectives {metrics} ({directions}) are not a sweep "
+                          "objective this version can re-measure")
+    return objective
+
+
+def _repeat(result: RunResult, objective: ObjectiveConf, realism: Optional[str]) -> Repeat:
+    outcome = outcome_of_result(result, objective)
+    if not outcome.ok:
+        return Repeat(status=outcome.failure_class, reason=outcome.reason, run_dir=result.run_dir)
+    measured = result.metrics.get("data_realism")
+    if realism is not None and measured != realism:
+        return Repeat(status="realism", run_dir=result.run_dir,
+                      reason=f"measured data_realism {measured} differs from the study's {realism}")
+    step_time = result.metrics["step_time_s"]
+    return Repeat(status="ok", run_dir=result.run_dir, values=outcome.values,
+                  step_time_median_s=step_time["median"], step_time_cv=step_time["cv"])
+
+
+def _plan(overrides: list[str]) -> tuple[RunPlan, str]:
+    """(plan, resolved yaml) exactly as ``moe-vlm-sweep run`` composes and validates them."""
+    composed = compose_config(overrides)
+    return make_plan(to_run_config(composed), overrides), OmegaConf.to_yaml(composed)
+
+
+def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat) -> str:
+    if repeat.ok:
+        got = " ".join(f"{v:.4g}" for v in repeat.values)
+    else:
+        last = repeat.reason.strip().splitlines()[-1][:160] if repeat.reason.strip() else ""
+        got = repeat.status.upper() + (f" ({last})" if last else "")
+    return f"[confirm {index}/{repeats}] trial #{candidate.trial.number} -> {got}"
+
+
+def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
+            progress: Optional[Callable[[str], None]] = None) -> Confirmation:
+    """Re-run the top ``top_k`` trials ``repeats`` times each, write ``best/confirm.json``, return the record.
+
+    Mixed data realism and a study without a known objective are refused before anything runs. ``progress``
+    (e.g. ``print``) gets a line per repeat: a confirmation costs top_k * repeats runs.
+    """
+    if repeats < 1:
+        raise ExportError(f"repeats={repeats}: confirmation needs at least one re-run per candidate")
+    objective = objective_of(study)
+    realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    candidates = [Candidate(rank=rank, trial=trial) for rank, trial in enumerate(ranked(study)[:top_k], 1)]
+    plans: dict[int, tuple[RunPlan, str]] = {}
+    invalid: dict[int, str] = {}
+    for candidate in candidates:
+        try:
+            plans[candidate.trial.number] = _plan(candidate.overrides)
+        except INVALID_ERRORS as exc:
+            invalid[candidate.trial.number] = str(exc)
+    for index in range(1, repeats + 1):
+        for candidate in candidates:
+            number = candidate.trial.number
+            if number in invalid:
+                repeat = Repeat(status="invalid", reason=invalid[number])
+            else:
+                plan, resolved_yaml = plans[number]
+                run_dir = new_run_dir(sweep_dir / "confirm", prefix=f"t{number}-r{index}")
+                prepare(run_dir, plan, resolved_yaml)
+                repeat = _repeat(launch(plan, run_dir), objective, realism)
+            candidate.repeats.append(repeat)
+            if progress is not None:
+                progress(_line(index, repeats, candidate, repeat))
+    confirmation = Confirmation(study_name=study.study_name, objective_metrics=objective.metrics,
+                                directions=objective.directions, data_realism=realism, repeats=repeats,
+                                candidates=candidates)
+    out = sweep_dir / "best"
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / CONFIRM_FILE, confirmation.to_dict())
+    return confirmation
+
+
+def table(confirmation: Confirmation) -> str:
+    """Per candidate: the original value, each repeat's, their median and the step-time CV across repeats."""
+    def fmt(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.4g}"
+
+    winner = confirmation.winner
+    rows = [["trial", f"original {confirmation.objective_metrics[0]}", "repeats", "median",
+             f"step-time CV (target <= {CV_TARGET:.0%})", ""]]
+    for c in confirmation.candidates:
+        median, cv = c.median_values, c.step_time_cv
+        rows.append([f"#{c.trial.number}", fmt(c.trial.values[0]),
+                     ", ".join(fmt(r.values[0]) if r.ok else r.status.upper() for r in c.repeats),
+                     fmt(median[0] if median else None),
+                     "-" if cv is None else f"{cv:.2%}" + ("" if cv <= CV_TARGET else " (over target)"),
+                     "<- holds" if c is winner else ""])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

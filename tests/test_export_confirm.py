@@ -1,0 +1,111 @@
+"""Confirmation re-runs (`best --confirm N`): the top trials really re-train on the CPU, the one whose median
+holds is exported, a candidate with a failed re-run cannot win, and mixed data realism is refused up front."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import optuna
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from moe_vlm_sweep.config import compose
+from moe_vlm_sweep.export.best import ExportError, export, ranked
+from moe_vlm_sweep.export.confirm import CV_TARGET, confirm
+from moe_vlm_sweep.sweep.trial import metric_value
+from sweep_testing import FAST_TRAIN, cli, private_conf
+
+NAME = "confirm_test"
+METRIC = "effective_tokens_per_s_per_gpu"
+BASE = ["model=tiny", "hardware=cpu", *FAST_TRAIN]
+
+
+def _study(storage: str | None, trials: list[tuple[list[str], float, str]], *, metrics=(METRIC,)) -> optuna.Study:
+    """A study of completed trials as the sweeper records them: exact overrides, data realism, a value."""
+    study = optuna.create_study(study_name=NAME, storage=storage, direction="maximize")
+    if metrics:
+        study.set_user_attr("objective_metrics", list(metrics))
+    for overrides, value, realism in trials:
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"overrides": overrides,
+                                                                           "data_realism": realism}))
+    return study
+
+
+def test_mixed_realism_is_refused_before_anything_runs(tmp_path):
+    study = _study(None, [(BASE, 1.0, "synthetic_images"), ([*BASE, "data=mock_text"], 2.0, "mock_text")])
+    with pytest.raises(ExportError, match="mixes data realism"):
+        confirm(study, sweep_dir=tmp_path, top_k=2, repeats=2)
+    assert not (tmp_path / "confirm").exists()
+
+
+def test_a_study_without_its_objective_cannot_be_confirmed(tmp_path):
+    study = _study(None, [(BASE, 1.0, "synthetic_images")], metrics=())
+    with pytest.raises(ExportError, match="no objective_metrics"):
+        confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2)
+
+
+def test_export_puts_the_confirmed_trial_first(tmp_path):
+    study = _study(None, [([*BASE, f"batch.mbs={m}"], float(m), "synthetic_images") for m in (1, 2, 4)])
+    third = ranked(study)[2]
+    exported = export(study, sweep_dir=tmp_path / "s", conf_dir=tmp_path, top_k=2, confirmed=third)
+    assert [e.trial.number for e in exported] == [third.number, ranked(study)[0].number]
+    assert exported[0].experiment == f"{NAME}_best" and exported[0].overrides == third.user_attrs["overrides"]
+    assert yaml.safe_load((tmp_path / "s" / "best" / "overrides.yaml").read_text()) == exported[0].overrides
+    assert [e["confirmed"] for e in yaml.safe_load((tmp_path / "s" / "best" / "top.yaml").read_text())] == [True,
+                                                                                                            False]
+
+
+@pytest.mark.slow
+def test_confirm_reruns_the_top_trials_and_exports_the_median_winner(tmp_path, monkeypatch):
+    """Two healthy tiny configs and one whose 2 s timeout is shorter than worker start-up: it ranks first by its
+    (recorded) value, so only the re-runs can keep it from winning."""
+    conf = private_conf(tmp_path)
+    sweep_dir = tmp_path / "outputs" / "sweeps" / NAME
+    sweep_dir.mkdir(parents=True)
+    _study(f"sqlite:///{sweep_dir / 'optuna.db'}", [
+        ([*BASE, "batch.mbs=1"], 100.0, "synthetic_images"),
+        ([*BASE, "batch.mbs=2"], 50.0, "synthetic_images"),
+        ([*BASE, "train.timeout_s=2"], 1000.0, "synthetic_images"),
+    ])
+    out = cli(["best", NAME, "--confirm", "2", "--top", "3"], cwd=tmp_path, conf=conf).stdout
+
+    record = json.loads((sweep_dir / "best" / "confirm.json").read_text())
+    assert record["repeats"] == 2 and record["cv_target"] == CV_TARGET == 0.02
+    by_trial = {c["trial"]: c for c in record["candidates"]}
+    assert sorted(by_trial) == [0, 1, 2] and all(len(c["repeats"]) == 2 for c in by_trial.values())
+    healthy = [by_trial[0], by_trial[1]]
+    for candidate in healthy:
+        assert candidate["ok"]
+        for repeat in candidate["repeats"]:
+            run_dir = tmp_path / repeat["run_dir"]
+            assert run_dir.parent == sweep_dir / "confirm" / "runs" and repeat["status"] == "ok"
+            metrics = json.loads((run_dir / "metrics.json").read_text())
+            assert repeat["values"] == [metric_value(metrics, METRIC)] and repeat["values"][0] > 0
+            assert repeat["step_time_median_s"] == metrics["step_time_s"]["median"] > 0
+            assert repeat["step_time_cv"] == metrics["step_time_s"]["cv"] >= 0
+        values = [r["values"][0] for r in candidate["repeats"]]
+        times = [r["step_time_median_s"] for r in candidate["repeats"]]
+        cv = statistics.pstdev(times) / statistics.fmean(times)
+        assert candidate["median_values"] == [statistics.median(values)]
+        assert candidate["step_time_cv_across_repeats"] == pytest.approx(cv)
+        assert candidate["meets_cv_target"] == (cv <= CV_TARGET)
+        assert candidate["original_values"] == [{0: 100.0, 1: 50.0}[candidate["trial"]]]
+
+    failing = by_trial[2]
+    assert failing["rank"] == 1 and not failing["ok"] and not failing["holds"] and failing["median_values"] is None
+    assert [r["status"] for r in failing["repeats"]] == ["timeout", "timeout"]
+
+    winner = max(healthy, key=lambda c: c["median_values"][0])
+    assert record["winner"] == winner["trial"] and winner["holds"]
+    assert [c["trial"] for c in record["candidates"] if c["holds"]] == [winner["trial"]]
+    assert "<- holds" in out and f"best: trial #{winner['trial']} " in out
+
+    best = sweep_dir / "best"
+    assert yaml.safe_load((best / "overrides.yaml").read_text()) == winner["overrides"]
+    assert yaml.safe_load((best / "top.yaml").read_text())[0]["trial"] == winner["trial"]
+    monkeypatch.setattr(compose, "CONF_DIR", conf)
+    exported = OmegaConf.to_yaml(compose.compose_config([f"+experiment={NAME}_best"]))
+    assert exported == OmegaConf.to_yaml(compose.compose_config(winner["overrides"]))
+    assert (conf / "experiment" / f"{NAME}_best.yaml").read_text().count("confirm.json") == 1
