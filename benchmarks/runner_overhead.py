@@ -36,14 +36,9 @@ TARGET_RATIO = 1.03
 
 def bare_loop(run_dir: Path) -> None:
     """Train ``run_dir/plan.json`` with the bare loop; write the measured step times to ``bare.json``."""
-    import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    from moe_vlm_sweep.data import make_source
-    from moe_vlm_sweep.model.build import build_model_chunks
-    from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs
-    from moe_vlm_sweep.train.loop import wrap_for_training
+    from moe_vlm_sweep.train.loop import training_stream
     from moe_vlm_sweep.train.worker import init_distributed, preflight
 
     plan = RunPlan.read(run_dir / "plan.json")
@@ -56,6 +51,24 @@ def bare_loop(run_dir: Path) -> None:
 
         cpu_compat.apply()
     init_distributed(plan)
+    with training_stream(plan.device):
+        times = _bare_steps(plan)
+    if dist.get_rank() == 0:
+        (run_dir / BARE_RESULT).write_text(json.dumps({"step_times": times}) + "\n")
+    dist.destroy_process_group()
+
+
+def _bare_steps(plan: RunPlan) -> list[float]:
+    """Build, wrap and train with the bare loop; the measured steps' times."""
+    import torch
+    from megatron.core import parallel_state
+
+    from moe_vlm_sweep.data import make_source
+    from moe_vlm_sweep.model.build import build_model_chunks
+    from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs
+    from moe_vlm_sweep.train.loop import wrap_for_training
+
+    cfg = plan.run_config
     models, optimizer = wrap_for_training(plan, build_model_chunks(plan))
     model, config = models[0], models[0].config
     image_dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
@@ -88,9 +101,7 @@ def bare_loop(run_dir: Path) -> None:
             torch.cuda.synchronize()
         if step >= cfg.train.warmup_steps:
             times.append(time.perf_counter() - start)
-    if dist.get_rank() == 0:
-        (run_dir / BARE_RESULT).write_text(json.dumps({"step_times": times}) + "\n")
-    dist.destroy_process_group()
+    return times
 
 
 def _bare(plan: RunPlan, outputs: Path, name: str) -> dict:

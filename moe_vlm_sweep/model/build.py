@@ -87,7 +87,8 @@ def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
     pipeline_off = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                         sequence_parallel=False, context_parallel_size=1)
     no_extras = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-                     recompute_modules=None, cuda_graph_impl="none", cuda_graph_modules=[])
+                     recompute_modules=None, cuda_graph_impl="none", cuda_graph_modules=[],
+                     inference_cuda_graph_scope=None)
     kwargs = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     kwargs.update(moe_off, **pipeline_off, **no_extras, **fields)
     kwargs.pop("cuda_graph_scope", None)

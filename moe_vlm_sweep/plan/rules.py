@@ -373,13 +373,16 @@ def graph_warmup_within_warmup(cfg: RunConfig) -> Optional[str]:
 
 
 @rule
-def layer_graphs_vs_fsdp_param_sharding(cfg: RunConfig) -> Optional[str]:
-    p = cfg.parallel
-    if (cfg.cuda_graph.impl in ("local", "transformer_engine") and p.strategy == "fsdp"
-            and p.fsdp_sharding == "optim_grads_params"):
-        return (f"cuda_graph.impl={cfg.cuda_graph.impl} with parallel.fsdp_sharding=optim_grads_params: Megatron-FSDP "
-                "gathers each layer's parameters in forward hooks that a graph replay skips; use "
-                "parallel.fsdp_sharding=optim_grads or optim, or parallel=3d")
+def layer_graphs_vs_fsdp(cfg: RunConfig) -> Optional[str]:
+    impl, p = cfg.cuda_graph.impl, cfg.parallel
+    if p.strategy != "fsdp":
+        return None
+    if impl == "transformer_engine":
+        return ("cuda_graph.impl=transformer_engine with parallel=fsdp: TE make_graphed_callables refuses modules "
+                "with hooks, and Megatron-FSDP registers them on every layer (seen on the H200); use parallel=3d")
+    if impl == "local" and p.fsdp_sharding == "optim_grads_params":
+        return ("cuda_graph.impl=local with parallel.fsdp_sharding=optim_grads_params: Megatron-FSDP gathers each "
+                "layer's parameters in forward hooks that a graph replay skips; use parallel=3d")
 
 
 @rule

@@ -199,3 +199,24 @@ class SweepTracker:
 
     def close_sweep(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.parent_id, status=status)
+
+
+def export_study_runs(*, tracking_uri: str, experiment: str, study_name: str) -> list[dict[str, Any]]:
+    """The study's parent and child runs as plain data (info, params, metrics' last values, tags), parent first
+    then children by trial number: what a reader of committed results needs without the MLflow store."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise KeyError(f"no MLflow experiment {experiment!r} in {tracking_uri}")
+    runs = client.search_runs([found.experiment_id], filter_string=f"tags.`{TAG}study` = '{study_name}'",
+                              run_view_type=ViewType.ACTIVE_ONLY, max_results=10000)
+
+    def order(run) -> tuple:
+        tags = run.data.tags
+        return (tags.get(f"{TAG}role") != "parent", int(tags.get(f"{TAG}trial", -1)), run.info.start_time)
+
+    return [{"run_id": r.info.run_id, "run_name": r.info.run_name, "status": r.info.status,
+             "start_time": r.info.start_time, "end_time": r.info.end_time, "params": dict(r.data.params),
+             "metrics": dict(r.data.metrics), "tags": {k: v for k, v in r.data.tags.items()
+                                                       if not k.startswith("mlflow.source")}}
+            for r in sorted(runs, key=order)]

@@ -10,6 +10,7 @@ afterwards. TE CUDA graphs are captured after ``cuda_graph.warmup_steps`` eager 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,17 @@ class TrainResult:
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def training_stream(device: str) -> contextlib.AbstractContextManager:
+    """The stream a GPU run wraps, trains and captures on: a side stream, never the legacy default one.
+
+    Autograd nodes keep the stream they were created on; parameters' AccumulateGrad nodes created on the default
+    stream (by the DDP wrapper or the eager warmup steps) make TE's backward capture fail with
+    cudaErrorStreamCaptureImplicit ("would make the legacy stream depend on a capturing blocking stream", seen
+    on the H200). PyTorch's CUDA-graph notes prescribe warming up on a side stream for this reason.
+    """
+    return torch.cuda.stream(torch.cuda.Stream()) if device == "cuda" else contextlib.nullcontext()
 
 
 def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):

@@ -215,15 +215,16 @@ def run(run_dir: Path) -> None:
 
     from moe_vlm_sweep.data import make_source
     from moe_vlm_sweep.model.build import build_model_chunks
-    from moe_vlm_sweep.train.loop import Trainer
+    from moe_vlm_sweep.train.loop import Trainer, training_stream
 
     cfg = plan.run_config
     peak = measure_peak_tflops(plan)
     source = make_source(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs,
                          dp_rank=parallel_state.get_data_parallel_rank(),
                          dp_size=parallel_state.get_data_parallel_world_size())
-    trainer = Trainer(plan, build_model_chunks(plan), source)
-    result = trainer.run(on_step=_note_step)
+    with training_stream(plan.device):
+        trainer = Trainer(plan, build_model_chunks(plan), source)
+        result = trainer.run(on_step=_note_step)
     memory = _peak_memory_gib(plan)
     if dist.get_rank() == 0:
         path = write_metrics(run_dir, build_metrics(plan, result, peak, memory))
