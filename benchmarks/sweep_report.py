@@ -1,0 +1,112 @@
+"""Commit a sweep's results: its Optuna trials (CSV), its MLflow runs (JSON) and a markdown table of the best.
+
+Reads the study and the MLflow store the sweep wrote under ``--outputs`` (as brought back from the GPU machine).
+The table's numbers come from the trials' MLflow metrics (the trial's metrics.json, as logged), so the markdown
+says what MLflow says. With ``--baseline FILE:NAME`` (a ``compare_configs.py`` JSON measured in the same call as
+``--confirm FILE``, a ``best/confirm.json``), it adds the confirmed winner's re-run median against that baseline.
+
+    python benchmarks/sweep_report.py --outputs /tmp/out/outputs --out-dir benchmarks/results/h200_single_small \\
+        --baseline benchmarks/results/h200_confirm.json:baseline_fsdp_mbs8 --confirm .../best/confirm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import optuna
+
+from moe_vlm_sweep.sweep.study import open_storage
+from moe_vlm_sweep.tracking.mlflow_sink import default_uri, export_study_runs
+
+COLUMNS = ("rank", "trial", "mfu_%", "eff_tok/s/gpu", "step_ms", "cv_%", "mem_gib", "graphed", "config")
+
+
+def _study(outputs: Path, name: str | None) -> optuna.Study:
+    names = [p.name for p in sorted((outputs / "sweeps").iterdir()) if (p / "optuna.db").exists()]
+    if name is None:
+        if len(names) != 1:
+            raise SystemExit(f"--study is required: {outputs / 'sweeps'} holds {names}")
+        name = names[0]
+    return optuna.load_study(study_name=name,
+                             storage=open_storage(f"sqlite:///{(outputs / 'sweeps' / name / 'optuna.db').resolve()}"))
+
+
+def table(study: optuna.Study, runs: list[dict], top: int) -> str:
+    children = {int(r["tags"]["moe_vlm_sweep.trial"]): r for r in runs if "moe_vlm_sweep.trial" in r["tags"]}
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if t.number in children]
+    sign = -1 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1
+    done.sort(key=lambda t: sign * t.values[0])
+    lines = [" | ".join(COLUMNS), " | ".join("---" for _ in COLUMNS)]
+    for rank, trial in enumerate(done[:top], 1):
+        m = children[trial.number]["metrics"]
+        config = " ".join(f"{k}={v}" for k, v in trial.params.items())
+        lines.append(" | ".join([str(rank), f"#{trial.number}", f"{m['mfu'] * 100:.2f}",
+                                 f"{m['effective_tokens_per_s_per_gpu']:.0f}", f"{m['step_time_s.median'] * 1e3:.1f}",
+                                 f"{m['step_time_s.cv'] * 100:.1f}", f"{m['peak_memory_gib']:.1f}",
+                                 str(int(m.get("graphed_layers", 0))), config]))
+    return "\n".join(lines)
+
+
+def outcomes(study: optuna.Study) -> str:
+    counts = Counter(t.user_attrs.get("failure_class", t.state.name.lower()) for t in study.trials)
+    return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+
+
+def versus_baseline(baseline: str, confirm_file: Path) -> str:
+    """The confirmed winner's re-run median MFU against the baseline's MFU, both measured in one call."""
+    path, _, name = baseline.rpartition(":")
+    rows = {r["config"]: r for r in json.loads(Path(path).read_text())["runs"]}
+    if rows.get(name, {}).get("status") != "ok":
+        raise SystemExit(f"--baseline {baseline}: no successful row {name!r} in {path}")
+    confirmation = json.loads(confirm_file.read_text())
+    if confirmation["objective_metrics"][0] != "mfu":
+        raise SystemExit(f"{confirm_file}: the confirmed objective is {confirmation['objective_metrics'][0]}, not mfu")
+    winner = next((c for c in confirmation["candidates"] if c["holds"]), None)
+    if winner is None:
+        return "Confirmation: no candidate held (each had a failed re-run)."
+    base, best = rows[name]["mfu"], winner["median_values"][0]
+    cvs = ", ".join(f"#{c['trial']} {c['step_time_cv_across_repeats']:.1%}" for c in confirmation["candidates"]
+                    if c["step_time_cv_across_repeats"] is not None)
+    return "\n".join([
+        "config | MFU (%) | ratio", "--- | --- | ---",
+        f"baseline `{name}` | {base * 100:.2f} | 1.00",
+        f"trial #{winner['trial']} (median of {len(winner['repeats'])} re-runs) | {best * 100:.2f} | {best / base:.2f}",
+        "", f"Step-time CV across each candidate's re-runs (target <= {confirmation['cv_target']:.0%}): {cvs}.",
+    ])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--outputs", type=Path, required=True, help="the sweep's outputs folder")
+    parser.add_argument("--study", help="study name (default: the only one under OUTPUTS/sweeps)")
+    parser.add_argument("--experiment", default="moe-vlm-sweep", help="MLflow experiment (tracking.experiment)")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--baseline", metavar="FILE:NAME", help="compare_configs JSON and row of the baseline")
+    parser.add_argument("--confirm", type=Path, help="the confirm.json measured in the same call as --baseline")
+    args = parser.parse_args()
+    study = _study(args.outputs, args.study)
+    runs = export_study_runs(tracking_uri=default_uri(args.outputs), experiment=args.experiment,
+                             study_name=study.study_name)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    study.trials_dataframe(attrs=("number", "state", "values", "params", "user_attrs", "datetime_start",
+                                  "duration")).to_csv(args.out_dir / "trials.csv", index=False)
+    (args.out_dir / "mlflow_runs.json").write_text(json.dumps(runs, indent=2, default=str) + "\n")
+    report = [f"# Study `{study.study_name}`", "",
+              f"{len(study.trials)} trials: {outcomes(study)}. Objective: "
+              f"{study.user_attrs.get('objective_metrics')} ({study.directions[0].name.lower()}); "
+              f"data realism {study.user_attrs.get('data_realism')}.", "", table(study, runs, args.top)]
+    if args.baseline and args.confirm:
+        report += ["", "Confirmed best against the baseline (both measured in one call):", "",
+                   versus_baseline(args.baseline, args.confirm)]
+    (args.out_dir / "report.md").write_text("\n".join(report) + "\n")
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
