@@ -18,6 +18,8 @@ from optuna.storages import RDBStorage
 from moe_vlm_sweep.sweep.space import fingerprint
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepSpecError
 
+STARTUP_TRIALS = 10
+"""Random trials before TPE models the space."""
 SQLITE_TIMEOUT_S = 120
 """How long a SQLite writer waits for another worker's lock before failing (two workers on one file)."""
 
@@ -58,10 +60,12 @@ def sampler(spec: SweepConf, seed: int) -> optuna.samplers.BaseSampler:
     if spec.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     # multivariate + group: TPE models the params that co-occur together, which conditional params need.
+    # Ten random trials first: after four, TPE's "good" set was a single trial and it proposed that trial's config
+    # again and again (duplicates, never launched, taught it nothing; seen in the first H200 study).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(4, spec.n_trials), multivariate=True,
-                                          group=True)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(STARTUP_TRIALS, spec.n_trials),
+                                          multivariate=True, group=True)
 
 
 def open_study(*, name: str, url: str | None, spec: SweepConf) -> optuna.Study:
