@@ -85,6 +85,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                                              "recompute.modules=[moe]"], "a recomputed MoE block"),
     "graph_warmup_within_warmup": ([*GPU, "cuda_graph=attn", "cuda_graph.warmup_steps=3", "train.warmup_steps=3"],
                                    "cuda_graph.warmup_steps=3 must be < train.warmup_steps=3"),
+    "trace_needs_profile_steps": (["train.trace=true", "train.profile_steps=0"],
+                                  "train.trace=true traces the profile steps, but train.profile_steps=0"),
     "layer_graphs_vs_fsdp": ([*GPU, "cuda_graph=attn", "parallel.fsdp_sharding=optim_grads"],
                              "TE make_graphed_callables refuses modules with hooks"),
     "te_graphs_need_te_specs": ([*GPU, "cuda_graph=attn", "train.transformer_impl=local"],

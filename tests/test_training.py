@@ -24,6 +24,10 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert metrics["data_realism"] == "synthetic_images"
     assert metrics["mfu"] > 0 and metrics["peak_source"] == "measured_matmul"
     assert metrics["peak_memory_gib"] > 0
+    wall = metrics["wall_s"]
+    assert set(wall) == {"startup", "warmup", "measured", "profile"}
+    assert wall["startup"] > 0 and wall["measured"] >= sum(metrics["step_time_s"]["steps"])
+    assert metrics["graphed_layers"] == 0
     assert metrics["effective_tokens_per_s"] < metrics["tokens_per_s"]
     split = metrics["component_split"]
     assert {f"{c}.{d}" for c in ms.COMPONENTS for d in ("forward", "backward")} <= set(split["seconds"])
@@ -31,6 +35,14 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert {"config.yaml", "plan.json", "command.sh", "worker.log", "result.json"} <= {p.name for p in
                                                                                       run_dir.iterdir()}
     assert read_json(run_dir / "result.json")["status"] == "ok"
+
+
+def test_trace_covers_the_profile_steps(run_cli):
+    code, run_dir = run_cli("model=tiny", "train.steps=2", "train.profile_steps=1", "train.trace=true")
+    assert code == 0, (run_dir / "worker.log").read_text()
+    kernels = (run_dir / "kernels.txt").read_text()
+    assert "aten::" in kernels and "Self CPU" in kernels
+    assert '"traceEvents"' in (run_dir / "trace.json").read_text()
 
 
 def test_loss_falls_on_a_fixed_batch(run_cli):

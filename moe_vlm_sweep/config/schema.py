@@ -349,6 +349,9 @@ class TrainConf:
     steps: int = 8
     profile_steps: int = 1
     """Extra steps after the timed ones, with per-component timing (synchronizing) hooks on."""
+    trace: bool = False
+    """Run torch.profiler over the profile steps: ``trace.json`` (Chrome trace) and ``kernels.txt`` (top ops by
+    device time) in the run directory, to see whether the GPU idles (launch-bound) or computes."""
     timeout_s: float = 600.0
     seed: int = 1234
     lr: float = 1e-3

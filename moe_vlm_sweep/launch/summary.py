@@ -20,6 +20,10 @@ def summarize(result: RunResult) -> str:
         ("loss", f"{loss[0]:.4f} -> {loss[-1]:.4f}"),
         ("data realism", m["data_realism"]),
     ]
+    if m.get("wall_s"):
+        rows.append(("wall", ", ".join(f"{k} {v:.1f} s" for k, v in m["wall_s"].items())))
+    if m.get("graphed_layers"):
+        rows.append(("cuda graphs", f"{m['graphed_layers']} decoder layers graphed"))
     split = m.get("component_split")
     if split:
         rows.append(("split", ", ".join(f"{k} {v * 100:.0f}%" for k, v in split["shares"].items())))

@@ -112,6 +112,10 @@ class Metrics:
     predicted_peak_memory_gib: Optional[float] = None
     """The planner's prediction, when it has one."""
     loss: Loss
+    wall_s: dict[str, float] = field(default_factory=dict)
+    """Wall-clock seconds of the worker's parts on rank 0: ``startup`` (interpreter, imports, process groups,
+    model build and wrapping, up to the first step), then ``warmup``, ``capture``, ``measured``, ``profile``.
+    The measured steps are often a small part of a sweep trial's cost; this says where the rest goes."""
     graphed_layers: int = 0
     """Decoder layers per rank that replayed CUDA graphs in the measured steps (0 with ``cuda_graph=none``);
     a graph scope that graphed nothing fails the run instead of being measured as eager."""

@@ -373,6 +373,12 @@ def graph_warmup_within_warmup(cfg: RunConfig) -> Optional[str]:
 
 
 @rule
+def trace_needs_profile_steps(cfg: RunConfig) -> Optional[str]:
+    if cfg.train.trace and cfg.train.profile_steps == 0:
+        return "train.trace=true traces the profile steps, but train.profile_steps=0: set it to 1 or more"
+
+
+@rule
 def layer_graphs_vs_fsdp(cfg: RunConfig) -> Optional[str]:
     impl, p = cfg.cuda_graph.impl, cfg.parallel
     if p.strategy != "fsdp":

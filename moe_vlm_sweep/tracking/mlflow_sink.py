@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 
 TAG = "moe_vlm_sweep."
 ARTIFACTS = ("config.yaml", "overrides.yaml", "command.sh", "worker.log", "metrics.json", "failure.json",
-             "result.json")
+             "result.json", "kernels.txt")
 _STATUS = {"ok": "FINISHED", "interrupted": "KILLED", "duplicate": "KILLED", "surplus": "KILLED"}
 """MLflow run status per failure class: KILLED for trials that never ran to the end without being at fault."""
 _BATCH = 100  # MLflow's limit on params (and tags) per log_batch call

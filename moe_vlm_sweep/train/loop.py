@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -53,6 +54,9 @@ class TrainResult:
     """Mean seconds per profiling step per phase, or None without profiling steps."""
     graphed_layers: int = 0
     """Decoder layers (per rank) replaying TE CUDA graphs in the measured steps."""
+    wall_s: dict[str, float] = field(default_factory=dict)
+    """Wall-clock seconds per part of the schedule (``warmup``, ``capture``, ``measured``, ``profile``), data,
+    reductions and syncs included: what a run costs beyond its measured steps."""
 
 
 def _sync(device: str) -> None:
@@ -114,6 +118,20 @@ def _forward_step(data_iterator, model):
     output, loss_mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
                               attention_mask=None, labels=mb.labels, loss_mask=mb.loss_mask)
     return output, partial(_loss_func, loss_mask)
+
+
+def _profiler(device: str) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str) -> None:
+    """``trace.json`` (open in Perfetto or chrome://tracing) and ``kernels.txt`` (ops by self device time)."""
+    profiler.export_chrome_trace(str(trace_dir / "trace.json"))
+    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    (trace_dir / "kernels.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40) + "\n")
 
 
 class _PhaseClock:
@@ -217,7 +235,9 @@ class Trainer:
         result.batches.append(BatchTokens(**{name: float(v) for name, v in zip(SUMMED_FIELDS, payload[2:])},
                                           seq_length=self.plan.seq_length))
 
-    def run(self, on_step: Callable[[int], None] = lambda step: None) -> TrainResult:
+    def run(self, on_step: Callable[[int], None] = lambda step: None,
+            trace_dir: Optional[Path] = None) -> TrainResult:
+        """Warmup, measured and profile steps; with ``trace_dir``, torch.profiler covers the profile steps."""
         t = self.cfg.train
         result = TrainResult()
         for model in self.models:
@@ -225,10 +245,16 @@ class Trainer:
         schedule = ["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["profile"] * t.profile_steps
         clock = _PhaseClock(self.plan.device)
         handles: list = []
+        tracing = contextlib.ExitStack()
         for step, phase in enumerate(schedule):
+            if phase == "profile" and trace_dir is not None and not handles:
+                profiler = tracing.enter_context(_profiler(self.plan.device))
             on_step(step)
+            began = time.perf_counter()
             if self.cfg.cuda_graph.impl == "transformer_engine" and step == self.cfg.cuda_graph.warmup_steps:
                 result.graphed_layers = self._capture_graphs()
+                result.wall_s["capture"] = time.perf_counter() - began
+                began = time.perf_counter()
             microbatches = self._fetch(step)
             if phase == "profile" and not handles:
                 handles = self._start_profiling(clock)
@@ -247,6 +273,10 @@ class Trainer:
             result.phases.append(phase)
             if self.cfg.cuda_graph.impl == "local" and step == 0:
                 result.graphed_layers = local_graphed_layers(self.models)
+            result.wall_s[phase] = result.wall_s.get(phase, 0.0) + time.perf_counter() - began
+        tracing.close()
+        if trace_dir is not None and t.profile_steps:
+            _write_trace(profiler, trace_dir, self.plan.device)
         for handle in handles:
             handle.remove()
         if t.profile_steps:

@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -148,7 +149,8 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[float, str]) -> Metrics:
+def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[float, str],
+                  startup_s: float = 0.0) -> Metrics:
     from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
 
     cfg, world = plan.run_config, plan.layout.world_size
@@ -182,7 +184,8 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         model_tflops_per_s_per_gpu=model_tflops, hardware_tflops_per_s_per_gpu=hardware_tflops,
         mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
-        loss=Loss(values=result.losses, phases=result.phases), graphed_layers=result.graphed_layers,
+        loss=Loss(values=result.losses, phases=result.phases), wall_s={"startup": startup_s, **result.wall_s},
+        graphed_layers=result.graphed_layers,
         component_split=split,
         accounting_notes=list(ACCOUNTING_NOTES),
     )
@@ -224,10 +227,11 @@ def run(run_dir: Path) -> None:
                          dp_size=parallel_state.get_data_parallel_world_size())
     with training_stream(plan.device):
         trainer = Trainer(plan, build_model_chunks(plan), source)
-        result = trainer.run(on_step=_note_step)
+        startup_s = time.time() - psutil.Process().create_time()
+        result = trainer.run(on_step=_note_step, trace_dir=run_dir if cfg.train.trace else None)
     memory = _peak_memory_gib(plan)
     if dist.get_rank() == 0:
-        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory))
+        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, startup_s))
         print(f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
               f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
 
