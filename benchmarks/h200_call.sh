@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N_TRIALS | confirm | baseline | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N | proxy=N | confirm=STUDY | baseline | pack
 #   graphs    TE CUDA-graph scopes against eager on model=small (3D, MBS 16), traced (kernels.txt per run)
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes
-#   confirm   best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
+#   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
+#   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   baseline  the baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
 # Call 2 of 2026-12-03 ran the earlier form of this script: graphs (MBS 32), sweep=9, confirm, baseline.
@@ -24,13 +25,14 @@ for step in "$@"; do
         --config 3d_mbs16_attn="cuda_graph=attn" --config 3d_mbs16_droppad="cuda_graph=none $D" \
         --config 3d_mbs16_layer_te="cuda_graph=layer_te $D" --config 3d_mbs16_layer_local="cuda_graph=layer_local $D"
       stop_orphans ;;
-    sweep=*)
-      timeout 300 python3 -m moe_vlm_sweep.cli run -m sweep=h200_single "sweep.n_trials=${step#sweep=}" \
+    sweep=*|proxy=*)
+      space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy
+      timeout 300 python3 -m moe_vlm_sweep.cli run -m "sweep=$space" "sweep.n_trials=${step#*=}" \
         >> "$OUT/sweep.log" 2>&1
       stop_orphans
       grep -E "^\[trial|^sweep" "$OUT/sweep.log" | tail -12 ;;
-    confirm)
-      timeout 260 python3 -m moe_vlm_sweep.cli best --top 3 --confirm 2 > "$OUT/confirm.log" 2>&1
+    confirm=*)  # confirm=STUDY (outputs/sweeps/STUDY)
+      timeout 260 python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 >> "$OUT/confirm.log" 2>&1
       stop_orphans
       tail -12 "$OUT/confirm.log" ;;
     baseline)

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import optuna
 import pytest
-import yaml
 
 from moe_vlm_sweep.config.compose import CONF_DIR, compose_config
 from moe_vlm_sweep.plan.rules import ConfigError
@@ -115,14 +114,13 @@ def test_run_overrides_drop_sweep_and_hydra_settings():
 
 
 def test_shipped_spaces_are_there():
-    assert {"cpu_demo", "h200_single", "cluster_3d"} <= set(SPACES)
+    assert {"cpu_demo", "h200_single", "h200_proxy", "cluster_3d"} <= set(SPACES)
 
 
 @pytest.mark.parametrize("name", SPACES)
 def test_shipped_space_parses_and_samples_plannable_configs(name):
     """Every shipped space composes, and a sample of it validates or is rejected with named rules only."""
-    raw = yaml.safe_load((CONF_DIR / "sweep" / f"{name}.yaml").read_text())
-    spec = load_spec({k: v for k, v in raw.items() if k != "defaults"})
+    spec = load_spec(compose_config([f"sweep={name}"]).sweep)  # as Hydra composes it (a space may extend another)
     space = Space.parse(spec.params, fixed_keys=[o.split("=")[0] for o in spec.fixed])
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     valid = 0
@@ -135,4 +133,7 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
             assert exc.problems and all(p.strip() for p in exc.problems)
     if name == "cpu_demo":
         assert valid == 12, "every cpu_demo config must run on the CPU"
+    if name == "h200_proxy":  # it extends h200_single: its knobs, the proxy model and its own micro-batches
+        assert "cuda_graph" in spec.params and spec.params["batch.mbs"] == [1, 2, 4]
+        assert "model=qwen3_vl_30b_a3b_proxy" in spec.fixed
     assert Path(CONF_DIR / "sweep").resolve().name == "sweeps"
