@@ -3,6 +3,7 @@ training in isolated worker processes. Each test works in its own folder with a 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -261,3 +262,23 @@ def test_a_sweep_over_mixed_data_realism_stops_clearly(tmp_path):
     realisms = {t.user_attrs.get("data_realism") for t in study.get_trials()
                 if t.state == TrialState.COMPLETE}
     assert len(realisms - {None}) <= 1  # nothing of a second realism was ever ranked
+
+
+@pytest.mark.slow
+def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
+    """sweep.confirm=N: the top trials really re-train N times each; the exported best is the one that held."""
+    conf = private_conf(tmp_path, {"small": SMALL_SPACE})
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.top_k=2"], cwd=tmp_path, conf=conf).stdout
+    study = only_study(tmp_path)
+    confirmation = json.loads((tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json")
+                              .read_text())
+    assert "confirm: re-running the top 2 trial(s) 1 time(s) each" in out
+    assert [len(c["repeats"]) for c in confirmation["candidates"]] == [1, 1]
+    assert all(Path(tmp_path, r["run_dir"], "metrics.json").exists()
+               for c in confirmation["candidates"] for r in c["repeats"])
+    winner = confirmation["winner"]
+    assert winner is not None and f"best: trial #{winner};" in out
+    experiment = (conf / "experiment" / f"{study.study_name}_best.yaml").read_text()
+    assert f"# Trial #{winner} of study" in experiment and "after confirmation re-runs" in experiment
+    parent = next(r for r in mlflow_runs(tmp_path) if r.data.tags.get("moe_vlm_sweep.role") == "parent")
+    assert parent.data.tags["moe_vlm_sweep.confirmed_trial"] == str(winner)

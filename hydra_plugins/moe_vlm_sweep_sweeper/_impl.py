@@ -242,7 +242,24 @@ class SweeperImpl(Sweeper):
                 self._finish(study, spec, sweep_dir)
                 raise SweepError(f"stopping: {duplicates_in_a_row} samples in a row repeated tried configs; the "
                                  f"space looks exhausted before sweep.n_trials={spec.n_trials}")
-        return self._finish(study, spec, sweep_dir)
+        return self._finish(study, spec, sweep_dir, confirm=True)
+
+    def _confirm(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path) -> Any:
+        """The trial that held in ``sweep.confirm`` re-runs of the top ones, or False if none held."""
+        from moe_vlm_sweep.export.confirm import confirm, table
+
+        print(f"confirm: re-running the top {spec.top_k} trial(s) {spec.confirm} time(s) each", flush=True)
+        def plan(overrides: List[str]) -> Any:
+            return plan_trial(self.hydra_context.config_loader.load_sweep_config(self.config, overrides), overrides)
+
+        confirmation = confirm(study, sweep_dir=sweep_dir, top_k=spec.top_k, repeats=spec.confirm,
+                               progress=lambda line: print(line, flush=True), plan=plan)
+        print(table(confirmation), flush=True)
+        winner = confirmation.winner
+        if self.tracker is not None:
+            self.tracker.log_sweep(params={}, tags={"moe_vlm_sweep.confirmed_trial":
+                                                    winner.trial.number if winner else "none"})
+        return winner.trial if winner else False
 
     @staticmethod
     def _best(study: optuna.Study) -> Optional[optuna.trial.FrozenTrial]:
@@ -251,7 +268,10 @@ class SweeperImpl(Sweeper):
         top = ranked(study)
         return top[0] if top else None
 
-    def _finish(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED") -> Any:
+    def _finish(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED",
+                confirm: bool = False) -> Any:
+        """Print the top trials and export them; a sweep that ran to the end first confirms them
+        (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did."""
         from moe_vlm_sweep.export.best import export, ranked, realism_of
 
         top = ranked(study)[:spec.top_k]
@@ -260,9 +280,13 @@ class SweeperImpl(Sweeper):
         if self.project and top:
             from moe_vlm_sweep.config.compose import CONF_DIR
 
-            exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=spec.top_k)
-            print(f"best: trial #{exported[0].trial.number}; re-run it with: {exported[0].command}\n"
-                  f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)
+            held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm else None
+            if held is False:
+                print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)
+            else:
+                exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=spec.top_k, confirmed=held)
+                print(f"best: trial #{exported[0].trial.number}; re-run it with: {exported[0].command}\n"
+                      f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)
         if self.tracker is not None:
             if not ledger.in_flight(study.get_trials(deepcopy=False), spec.resume.stale_after_s):
                 self.tracker.close_sweep(status)

@@ -163,11 +163,13 @@ def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat) -> str
 
 
 def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
-            progress: Optional[Callable[[str], None]] = None) -> Confirmation:
+            progress: Optional[Callable[[str], None]] = None,
+            plan: Callable[[list[str]], tuple[RunPlan, str]] = _plan) -> Confirmation:
     """Re-run the top ``top_k`` trials ``repeats`` times each, write ``best/confirm.json``, return the record.
 
     Mixed data realism and a study without a known objective are refused before anything runs. ``progress``
-    (e.g. ``print``) gets a line per repeat: a confirmation costs top_k * repeats runs.
+    (e.g. ``print``) gets a line per repeat: a confirmation costs top_k * repeats runs. ``plan`` composes and
+    validates a trial's overrides; the sweeper passes its own (Hydra is already initialized inside a sweep).
     """
     if repeats < 1:
         raise ExportError(f"repeats={repeats}: confirmation needs at least one re-run per candidate")
@@ -178,7 +180,7 @@ def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
     invalid: dict[int, str] = {}
     for candidate in candidates:
         try:
-            plans[candidate.trial.number] = _plan(candidate.overrides)
+            plans[candidate.trial.number] = plan(candidate.overrides)
         except INVALID_ERRORS as exc:
             invalid[candidate.trial.number] = str(exc)
     for index in range(1, repeats + 1):

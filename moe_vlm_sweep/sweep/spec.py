@@ -86,6 +86,9 @@ class SweepConf:
     """Launched trials failing in a row (oom, crash, timeout, nan) that end the sweep."""
     top_k: int = 3
     """Trials in the final table and the export."""
+    confirm: int = 0
+    """Re-runs of each of the ``top_k`` trials when the sweep ends (as ``best --confirm N``): the exported best is
+    the one whose median holds. 0: export the single-measurement ranking."""
     resume: ResumeConf = field(default_factory=ResumeConf)
 
     def __post_init__(self) -> None:
@@ -97,6 +100,8 @@ class SweepConf:
             raise SweepSpecError(f"sweep.failure_budget={self.failure_budget} must be >= 1")
         if self.top_k < 1:
             raise SweepSpecError(f"sweep.top_k={self.top_k} must be >= 1")
+        if self.confirm < 0:
+            raise SweepSpecError(f"sweep.confirm={self.confirm} must be >= 0")
 
 
 def load_spec(node: DictConfig | dict | None) -> SweepConf:
