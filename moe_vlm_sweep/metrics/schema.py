@@ -110,7 +110,7 @@ class Metrics:
     """Max over ranks: torch.cuda.max_memory_allocated on GPU, peak RSS of the process on the CPU."""
     peak_memory_source: str
     predicted_peak_memory_gib: Optional[float] = None
-    """The planner's prediction, when it has one."""
+    """The planner's lower bound for GPU runs (``plan/memory.py``), to read next to the measured peak."""
     loss: Loss
     wall_s: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds of the worker's parts on rank 0: ``startup`` (interpreter, imports, process groups,

@@ -10,28 +10,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from moe_vlm_sweep.config.schema import RunConfig, from_dict, to_dict
+from moe_vlm_sweep.plan.layout import Layout, layout_of, sharded_seq_length
+from moe_vlm_sweep.plan.memory import estimate
 from moe_vlm_sweep.plan.rules import ConfigError, broken_rules
 
 PLAN_VERSION = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    world_size: int
-    tp: int
-    pp: int
-    vpp: int
-    cp: int
-    ep: int
-    etp: int
-    dp: int
-    """Data-parallel size of the dense part: world / (tp * pp * cp)."""
-    edp: int
-    """Expert data-parallel size: world / (etp * ep * pp)."""
-    sp: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +39,8 @@ class RunPlan:
     precision: str
     transformer_impl: str
     fusions: dict[str, bool]
+    predicted_peak_memory_gib: Optional[float] = None
+    """GPU runs: the lower-bound peak memory of the most loaded rank (``plan/memory.py``); None on the CPU."""
 
     @property
     def run_config(self) -> RunConfig:
@@ -83,19 +71,6 @@ class RunPlan:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def layout_of(cfg: RunConfig) -> Layout:
-    p, world = cfg.parallel, cfg.launcher.world_size
-    return Layout(world_size=world, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
-                  dp=max(world // (p.tp * p.pp * p.cp), 1), edp=max(world // (p.etp * p.ep * p.pp), 1), sp=p.sp)
-
-
-def sharded_seq_length(cfg: RunConfig) -> int:
-    """LLaVA pads the combined sequence so that SP (tp) and CP (2*cp, load-balanced) can split it evenly."""
-    p = cfg.parallel
-    factor = (p.tp if p.sp else 1) * (2 * p.cp if p.cp > 1 else 1)
-    return -(-cfg.model.seq_length // factor) * factor
-
-
 def make_plan(cfg: RunConfig, overrides: list[str] | tuple[str, ...] = ()) -> RunPlan:
     """Validate ``cfg`` against every rule and freeze it; raise :class:`ConfigError` listing all broken rules."""
     problems = broken_rules(cfg)
@@ -115,6 +90,7 @@ def make_plan(cfg: RunConfig, overrides: list[str] | tuple[str, ...] = ()) -> Ru
         precision=cfg.train.resolved_precision(cfg.hardware.device),
         transformer_impl=cfg.train.resolved_transformer_impl(cfg.hardware.device),
         fusions=cfg.fusions.resolved(on_gpu=on_gpu),
+        predicted_peak_memory_gib=round(estimate(cfg).total_gib, 2) if on_gpu else None,
     )
 
 
@@ -137,6 +113,8 @@ def describe(plan: RunPlan) -> str:
         ("sequence", f"{plan.seq_length} decoder tokens/sample = {cfg.model.text_tokens} text + "
                      f"{cfg.model.images_per_sample} image(s) x {cfg.model.image_tokens} tokens - placeholders"),
         ("tokens/step", f"{plan.tokens_per_step} (padded)"),
+        *([("memory", f">= {plan.predicted_peak_memory_gib:.1f} GiB per GPU (lower bound, plan/memory.py) of "
+                      f"{cfg.hardware.memory_gib} GiB")] if plan.predicted_peak_memory_gib is not None else []),
         ("recompute", cfg.recompute.granularity + (f" {cfg.recompute.modules}" if cfg.recompute.modules else "")),
         ("cuda_graph", f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})"),
         ("dispatcher", cfg.dispatcher.name),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from moe_vlm_sweep.config.schema import RunConfig
+from moe_vlm_sweep.plan.memory import estimate
 
 Rule = Callable[[RunConfig], Optional[str]]
 RULES: list[Rule] = []
@@ -396,6 +397,20 @@ def te_graphs_need_te_specs(cfg: RunConfig) -> Optional[str]:
     if cfg.cuda_graph.impl == "transformer_engine" and cfg.hardware.device == "cuda" and not _uses_te(cfg):
         return ("cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
                 "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)")
+
+
+# --- memory ------------------------------------------------------------------------------------------------
+
+@rule
+def fits_in_gpu_memory(cfg: RunConfig) -> Optional[str]:
+    if cfg.hardware.device != "cuda":
+        return None
+    est = estimate(cfg)
+    if est.total_gib > cfg.hardware.memory_gib:
+        return (f"needs at least {est.total_gib:.1f} GiB per GPU ({est.static_gib:.1f} weights, gradients and "
+                f"optimizer states + {est.activations_gib:.1f} activations; plan/memory.py), more than "
+                f"hardware.memory_gib={cfg.hardware.memory_gib}: shard further (parallel.tp/pp/ep, more GPUs, "
+                "parallel=fsdp), lower batch.mbs or use recompute=full")
 
 
 # --- MoE dispatcher ----------------------------------------------------------------------------------------

@@ -184,6 +184,7 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         model_tflops_per_s_per_gpu=model_tflops, hardware_tflops_per_s_per_gpu=hardware_tflops,
         mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
+        predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
         loss=Loss(values=result.losses, phases=result.phases), wall_s={"startup": startup_s, **result.wall_s},
         graphed_layers=result.graphed_layers,
         component_split=split,

@@ -1,0 +1,39 @@
+"""The parallel layout a config asks for: group sizes, what data parallelism the world leaves, the sequence as split.
+
+Shared by the rules, the memory estimate and the plan, so the arithmetic lives once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_vlm_sweep.config.schema import RunConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    """Data-parallel size of the dense part: world / (tp * pp * cp)."""
+    edp: int
+    """Expert data-parallel size: world / (etp * ep * pp)."""
+    sp: bool
+
+
+def layout_of(cfg: RunConfig) -> Layout:
+    p, world = cfg.parallel, cfg.launcher.world_size
+    return Layout(world_size=world, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
+                  dp=max(world // (p.tp * p.pp * p.cp), 1), edp=max(world // (p.etp * p.ep * p.pp), 1), sp=p.sp)
+
+
+def sharded_seq_length(cfg: RunConfig) -> int:
+    """LLaVA pads the combined sequence so that SP (tp) and CP (2*cp, load-balanced) can split it evenly."""
+    p = cfg.parallel
+    factor = (p.tp if p.sp else 1) * (2 * p.cp if p.cp > 1 else 1)
+    return -(-cfg.model.seq_length // factor) * factor

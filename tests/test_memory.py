@@ -1,0 +1,61 @@
+"""The memory estimate against every peak measured on the H200 (benchmarks/results/): a lower bound that is
+never above a measurement, so the fit rule refuses only configs that cannot fit, and close to eager runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_vlm_sweep.config.compose import compose_run_config
+from moe_vlm_sweep.plan.memory import estimate, parameter_counts
+from moe_vlm_sweep.plan.rules import ConfigError
+from moe_vlm_sweep.plan.plan import make_plan
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def _measured() -> list[tuple[str, list[str], float]]:
+    rows = []
+    for path in sorted(RESULTS.glob("*.json")):
+        for run in json.loads(path.read_text()).get("runs", []):
+            if run.get("status") == "ok" and "hardware=h200" in run["overrides"]:
+                rows.append((f"{path.stem}:{run['config']}", run["overrides"], run["peak_memory_gib"]))
+    return rows
+
+
+MEASURED = _measured()
+
+
+def test_the_results_hold_gpu_measurements():
+    assert len(MEASURED) >= 15
+
+
+@pytest.mark.parametrize("name,overrides,measured", MEASURED, ids=[m[0] for m in MEASURED])
+def test_estimate_is_a_close_lower_bound_of_the_measured_peak(name, overrides, measured):
+    cfg = compose_run_config(overrides)
+    predicted = estimate(cfg).total_gib
+    assert predicted <= measured, f"{name}: estimate {predicted:.1f} GiB above the measured {measured:.1f} GiB"
+    if cfg.cuda_graph.impl == "none":  # CUDA-graph pools are not modelled: a looser bound there
+        assert predicted >= 0.7 * measured, f"{name}: estimate {predicted:.1f} GiB, measured {measured:.1f} GiB"
+
+
+def test_reference_model_has_its_documented_size():
+    counts = parameter_counts(compose_run_config(["model=small"]).model)
+    assert 0.78e9 < sum(vars(counts).values()) < 0.81e9  # "the 0.8B reference" (796M, shared/device/README.md)
+
+
+def test_sharding_divides_static_memory():
+    one = estimate(compose_run_config(["model=small", "hardware=h200", "parallel=3d"])).static_gib
+    eight = estimate(compose_run_config(["model=small", "hardware=h200", "parallel=3d", "launcher=torchrun",
+                                         "launcher.nproc_per_node=8", "batch.gbs=8"])).static_gib
+    sharded = estimate(compose_run_config(["model=small", "hardware=h200", "launcher=torchrun",
+                                           "launcher.nproc_per_node=8", "batch.gbs=8"])).static_gib
+    assert eight < one / 2  # the distributed optimizer shards 12 of 18 bytes per parameter over DP=8
+    assert sharded < eight  # Megatron-FSDP optim_grads_params shards weights and gradients too
+
+
+def test_a_model_that_cannot_fit_is_refused_before_launch():
+    with pytest.raises(ConfigError, match=r"needs at least \d+\.\d GiB per GPU .* hardware.memory_gib=141"):
+        make_plan(compose_run_config(["model=qwen3_vl_30b_a3b", "hardware=h200"]))
