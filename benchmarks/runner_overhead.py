@@ -42,7 +42,6 @@ def bare_loop(run_dir: Path) -> None:
     from moe_vlm_sweep.train.worker import init_distributed, preflight
 
     plan = RunPlan.read(run_dir / "plan.json")
-    cfg = plan.run_config
     if plan.layout.pp > 1:
         raise SystemExit("the bare loop runs one pipeline stage: use parallel.pp=1")
     preflight(plan)
