@@ -3,7 +3,9 @@
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
 #   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N | proxy=N | confirm=STUDY | baseline | pack
 #   graphs    TE CUDA-graph scopes against eager on model=small (3D, MBS 16), traced (kernels.txt per run)
-#   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes
+#   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
+#             the call's time left (CALL_S, default 570 s, less 30 s for pack) as sweep.time_budget_s, so it
+#             stops between trials and confirms only when the re-runs fit
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   baseline  the baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
@@ -14,6 +16,8 @@ bash .kit/install.sh .kit/kit .whl >/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT=$1
 shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+CALL_S=${CALL_S:-570}
+left() { echo $((CALL_S - SECONDS)); }
 C="model=small hardware=h200 batch.gbs=32 train.warmup_steps=3 train.steps=8 train.timeout_s=100 recompute=none vision=trainable dispatcher=alltoall"
 D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
 stop_orphans() { pkill -f moe_vlm_sweep.train.worker; sleep 2; }  # a worker a timeout orphaned must not share the GPU
@@ -27,10 +31,12 @@ for step in "$@"; do
       stop_orphans ;;
     sweep=*|proxy=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy
-      timeout 300 python3 -m moe_vlm_sweep.cli run -m "sweep=$space" "sweep.n_trials=${step#*=}" \
-        >> "$OUT/sweep.log" 2>&1
+      budget=$(( $(left) - 30 ))
+      (( budget > 60 )) || { echo "skip $step: ${budget} s left"; continue; }
+      timeout $((budget + 20)) python3 -m moe_vlm_sweep.cli run -m "sweep=$space" "sweep.n_trials=${step#*=}" \
+        "sweep.time_budget_s=$budget" >> "$OUT/sweep.log" 2>&1
       stop_orphans
-      grep -E "^\[trial|^sweep" "$OUT/sweep.log" | tail -12 ;;
+      grep -E "^\[trial|^sweep|^confirm|^best" "$OUT/sweep.log" | tail -14 ;;
     confirm=*)  # confirm=STUDY (outputs/sweeps/STUDY)
       timeout 260 python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 >> "$OUT/confirm.log" 2>&1
       stop_orphans

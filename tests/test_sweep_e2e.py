@@ -282,3 +282,22 @@ def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
     assert f"# Trial #{winner} of study" in experiment and "after confirmation re-runs" in experiment
     parent = next(r for r in mlflow_runs(tmp_path) if r.data.tags.get("moe_vlm_sweep.role") == "parent")
     assert parent.data.tags["moe_vlm_sweep.confirmed_trial"] == str(winner)
+
+
+@pytest.mark.slow
+def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
+    """sweep.time_budget_s: no trial starts that the slowest one says would overrun it; nothing is lost."""
+    conf = private_conf(tmp_path, {"small": SMALL_SPACE})
+    cli(["run", "-m", "sweep=small", "sweep.n_trials=1"], cwd=tmp_path, conf=conf)
+    out = cli(["run", "-m", "sweep=small", "sweep.time_budget_s=1"], cwd=tmp_path, conf=conf).stdout
+    assert "sweep: stopping at 1/3 trials: another trial would need about" in out, out[-2000:]
+    study = only_study(tmp_path)
+    _assert_consistent(study, mlflow_runs(tmp_path), 1)
+    cli(["run", "-m", "sweep=small", "sweep.confirm=0"], cwd=tmp_path, conf=conf)
+    study = only_study(tmp_path)
+    _assert_consistent(study, mlflow_runs(tmp_path), 3)
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
+              conf=conf).stdout
+    assert "confirmation: not started, nothing exported: its 3 re-runs would need about" in out, out[-2000:]
+    assert not (tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json").exists()
+    assert len(only_study(tmp_path).get_trials()) == len(study.get_trials())  # no trial started

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.sweep import ledger, progress
+from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.space import Space
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
 from moe_vlm_sweep.sweep.study import open_study, storage_url, study_name
@@ -50,6 +51,7 @@ class SweeperImpl(Sweeper):
         self.tracker: Any = None
         self.stop_reason: Optional[str] = None
         """Set by a trial whose outcome must end the sweep (mixed data realism); the loop raises it."""
+        self.budget = TimeBudget(None)
 
     # --- setup of one sweep -------------------------------------------------------------------------------
 
@@ -188,6 +190,7 @@ class SweeperImpl(Sweeper):
 
     def sweep(self, arguments: List[str]) -> Any:
         spec = load_spec(self.config.get("sweep"))
+        self.budget = TimeBudget(spec.time_budget_s)
         base = self._job_overrides(spec, list(arguments))
         space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
         choices = self.config.hydra.runtime.choices
@@ -202,12 +205,19 @@ class SweeperImpl(Sweeper):
               f"{' and '.join(spec.objective.metrics)})\n  optuna storage: {where}"
               + (f"\n  mlflow: {self.tracker.tracking_uri} (moe-vlm-sweep ui)" if self.tracker else ""), flush=True)
         self._recover(study, spec)
+        for trial in study.get_trials(deepcopy=False, states=ledger.FINISHED):
+            if trial.user_attrs.get("run_dir") and trial.datetime_complete and trial.datetime_start:
+                self.budget.saw((trial.datetime_complete - trial.datetime_start).total_seconds())
         failures_in_a_row = duplicates_in_a_row = 0
         while True:
             trials = study.get_trials(deepcopy=False)
             done = len(ledger.counted(trials))
             if done + len(ledger.in_flight(trials, spec.resume.stale_after_s)) >= spec.n_trials:
                 break
+            if not self.budget.allows():
+                print(f"sweep: stopping at {done}/{spec.n_trials} trials: "
+                      f"{self.budget.why_not('another trial')}", flush=True)
+                return self._finish(study, spec, sweep_dir)
             trial = study.ask()
             ledger.own(trial)
             if ledger.is_surplus(study.get_trials(deepcopy=False), trial.number, spec.n_trials,
@@ -219,7 +229,8 @@ class SweeperImpl(Sweeper):
             sampled = space.suggest(trial)
             overrides = [*base, *Space.overrides(sampled)]
             trial.set_user_attr("overrides", run_overrides(overrides))
-            outcome = self._run(study, trial, spec, overrides)
+            with self.budget.timing():
+                outcome = self._run(study, trial, spec, overrides)
             self._tell(study, trial, outcome)
             duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == "duplicate" else 0
             failures_in_a_row = (failures_in_a_row + 1 if outcome.failure_class in _LAUNCH_FAILURES
@@ -280,8 +291,13 @@ class SweeperImpl(Sweeper):
         if self.project and top:
             from moe_vlm_sweep.config.compose import CONF_DIR
 
-            held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm else None
-            if held is False:
+            runs = spec.top_k * spec.confirm
+            postponed = confirm and spec.confirm and not self.budget.allows(runs)
+            held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm and not postponed else None
+            if postponed:
+                print(f"confirmation: not started, nothing exported: {self.budget.why_not(f'its {runs} re-runs', runs)}",
+                      flush=True)
+            elif held is False:
                 print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)
             else:
                 exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=spec.top_k, confirmed=held)

@@ -113,8 +113,9 @@ class Metrics:
     """The planner's lower bound for GPU runs (``plan/memory.py``), to read next to the measured peak."""
     loss: Loss
     wall_s: dict[str, float] = field(default_factory=dict)
-    """Wall-clock seconds of the worker's parts on rank 0: ``startup`` (interpreter, imports, process groups,
-    model build and wrapping, up to the first step), then ``warmup``, ``capture``, ``measured``, ``profile``.
+    """Wall-clock seconds of the worker's parts on rank 0: ``startup.imports`` (interpreter and imports),
+    ``startup.init`` (process groups), ``startup.build``, ``startup.wrap`` (DDP or FSDP, optimizer), then
+    ``warmup``, ``capture``, ``measured``, ``profile``.
     The measured steps are often a small part of a sweep trial's cost; this says where the rest goes."""
     graphed_layers: int = 0
     """Decoder layers per rank that replayed CUDA graphs in the measured steps (0 with ``cuda_graph=none``);

@@ -89,6 +89,10 @@ class SweepConf:
     confirm: int = 0
     """Re-runs of each of the ``top_k`` trials when the sweep ends (as ``best --confirm N``): the exported best is
     the one whose median holds. 0: export the single-measurement ranking."""
+    time_budget_s: Optional[float] = None
+    """Wall-clock seconds this sweep process may run (the end of its Slurm allocation or GPU lease): it starts
+    no trial, and no confirmation, that its slowest trial so far says would overrun them, and stops cleanly;
+    the same command resumes. None: no limit."""
     resume: ResumeConf = field(default_factory=ResumeConf)
 
     def __post_init__(self) -> None:
@@ -102,6 +106,8 @@ class SweepConf:
             raise SweepSpecError(f"sweep.top_k={self.top_k} must be >= 1")
         if self.confirm < 0:
             raise SweepSpecError(f"sweep.confirm={self.confirm} must be >= 0")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise SweepSpecError(f"sweep.time_budget_s={self.time_budget_s} must be > 0 (or null: no limit)")
 
 
 def load_spec(node: DictConfig | dict | None) -> SweepConf:

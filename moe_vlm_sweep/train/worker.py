@@ -150,7 +150,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[float, str],
-                  startup_s: float = 0.0) -> Metrics:
+                  startup_s: Optional[dict[str, float]] = None) -> Metrics:
     from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
 
     cfg, world = plan.run_config, plan.layout.world_size
@@ -185,7 +185,7 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
         predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
-        loss=Loss(values=result.losses, phases=result.phases), wall_s={"startup": startup_s, **result.wall_s},
+        loss=Loss(values=result.losses, phases=result.phases), wall_s={**(startup_s or {}), **result.wall_s},
         graphed_layers=result.graphed_layers,
         component_split=split,
         accounting_notes=list(ACCOUNTING_NOTES),
@@ -207,32 +207,50 @@ def classify(exc: BaseException) -> str:
     return "crash"
 
 
+class _StartupClock:
+    """Seconds of the worker's start before the first step, by phase: ``startup.imports`` (from the process's
+    creation: interpreter, torch, megatron, TE), ``startup.init`` (process groups), ``startup.build`` and
+    ``startup.wrap`` (DDP or FSDP and the optimizer). A trial's wall time beyond its steps is here."""
+
+    def __init__(self) -> None:
+        self.last, self.seconds = psutil.Process().create_time(), {}
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.seconds[f"startup.{phase}"], self.last = now - self.last, now
+
+
 def run(run_dir: Path) -> None:
+    clock = _StartupClock()
     plan = RunPlan.read(run_dir / "plan.json")
     preflight(plan)
     if plan.device == "cpu":
         from moe_vlm_sweep.train import cpu_compat
 
         cpu_compat.apply()
-    init_distributed(plan)
     from megatron.core import parallel_state
 
     from moe_vlm_sweep.data import make_source
     from moe_vlm_sweep.model.build import build_model_chunks
     from moe_vlm_sweep.train.loop import Trainer, training_stream
 
+    clock.mark("imports")
+    init_distributed(plan)
     cfg = plan.run_config
     peak = measure_peak_tflops(plan)
     source = make_source(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs,
                          dp_rank=parallel_state.get_data_parallel_rank(),
                          dp_size=parallel_state.get_data_parallel_world_size())
+    clock.mark("init")
     with training_stream(plan.device):
-        trainer = Trainer(plan, build_model_chunks(plan), source)
-        startup_s = time.time() - psutil.Process().create_time()
+        chunks = build_model_chunks(plan)
+        clock.mark("build")
+        trainer = Trainer(plan, chunks, source)
+        clock.mark("wrap")
         result = trainer.run(on_step=_note_step, trace_dir=run_dir if cfg.train.trace else None)
     memory = _peak_memory_gib(plan)
     if dist.get_rank() == 0:
-        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, startup_s))
+        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, clock.seconds))
         print(f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
               f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
 
