@@ -2,7 +2,8 @@
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
 #   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N | proxy=N | confirm=STUDY | baseline | pack
-#   graphs    TE CUDA-graph scopes against eager on model=small (3D, MBS 16), traced (kernels.txt per run)
+#   graphs    TE CUDA-graph scopes against eager on model=small (3D, MBS 16), traced (kernels.txt per run), with
+#             TE's attention-backend log
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
 #             the call's time left (CALL_S, default 570 s, less 30 s for pack) as sweep.time_budget_s, so it
 #             stops between trials and confirms only when the re-runs fit
@@ -23,11 +24,12 @@ D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
 stop_orphans() { pkill -f moe_vlm_sweep.train.worker; sleep 2; }  # a worker a timeout orphaned must not share the GPU
 for step in "$@"; do
   case "$step" in
-    graphs)
-      timeout 230 python3 benchmarks/compare_configs.py --outputs /tmp/graphs --out "$OUT/h200_graphs.json" \
-        --common "$C parallel=3d batch.mbs=16 train.trace=true" --config 3d_mbs16="cuda_graph=none" \
-        --config 3d_mbs16_attn="cuda_graph=attn" --config 3d_mbs16_droppad="cuda_graph=none $D" \
+    graphs)  # NVTE_DEBUG: TE logs why it picks each attention backend (worker.log), since graphed layers ran unfused
+      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 230 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
+        --out "$OUT/h200_graphs.json" --common "$C parallel=3d batch.mbs=16 train.trace=true" \
+        --config 3d_mbs16="cuda_graph=none" --config 3d_mbs16_attn="cuda_graph=attn" \
         --config 3d_mbs16_layer_te="cuda_graph=layer_te $D" --config 3d_mbs16_layer_local="cuda_graph=layer_local $D"
+      grep -h -i "backend\|disabling" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -40
       stop_orphans ;;
     sweep=*|proxy=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy
@@ -42,7 +44,7 @@ for step in "$@"; do
       stop_orphans
       tail -12 "$OUT/confirm.log" ;;
     baseline)
-      timeout 100 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \
+      timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \
         --common "$C" --config baseline_fsdp_mbs8="parallel=fsdp batch.mbs=8 cuda_graph=none" \
         --config 3d_mbs32="parallel=3d batch.mbs=32 cuda_graph=none"
       stop_orphans ;;

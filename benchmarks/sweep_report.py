@@ -2,7 +2,7 @@
 
 Reads the study and the MLflow store the sweep wrote under ``--outputs`` (as brought back from the GPU machine).
 The table's numbers come from the trials' MLflow metrics (the trial's metrics.json, as logged), so the markdown
-says what MLflow says. With ``--baseline FILE:NAME`` (a ``compare_configs.py`` JSON measured in the same call as
+says what MLflow says. With ``--baseline FILE:NAME`` (a ``compare_configs.py`` JSON measured on the same machine as
 ``--confirm FILE``, a ``best/confirm.json``), it adds the confirmed winner's re-run median against that baseline.
 
     python benchmarks/sweep_report.py --outputs /tmp/out/outputs --out-dir benchmarks/results/h200_single_small \\
@@ -57,7 +57,7 @@ def outcomes(study: optuna.Study) -> str:
 
 
 def versus_baseline(baseline: str, confirm_file: Path) -> str:
-    """The confirmed winner's re-run median MFU against the baseline's MFU, both measured in one call."""
+    """The confirmed winner's re-run median MFU against the baseline's MFU, both measured on one machine."""
     path, _, name = baseline.rpartition(":")
     rows = {r["config"]: r for r in json.loads(Path(path).read_text())["runs"]}
     if rows.get(name, {}).get("status") != "ok":
@@ -87,7 +87,7 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--baseline", metavar="FILE:NAME", help="compare_configs JSON and row of the baseline")
-    parser.add_argument("--confirm", type=Path, help="the confirm.json measured in the same call as --baseline")
+    parser.add_argument("--confirm", type=Path, help="the confirm.json measured on the same machine as --baseline")
     args = parser.parse_args()
     study = _study(args.outputs, args.study)
     runs = export_study_runs(tracking_uri=default_uri(args.outputs), experiment=args.experiment,
@@ -101,7 +101,7 @@ def main() -> int:
               f"{study.user_attrs.get('objective_metrics')} ({study.directions[0].name.lower()}); "
               f"data realism {study.user_attrs.get('data_realism')}.", "", table(study, runs, args.top)]
     if args.baseline and args.confirm:
-        report += ["", "Confirmed best against the baseline (both measured in one call):", "",
+        report += ["", "Confirmed best against the baseline (both measured on one machine):", "",
                    versus_baseline(args.baseline, args.confirm)]
     (args.out_dir / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))

@@ -286,9 +286,12 @@ def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
 
 @pytest.mark.slow
 def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
-    """sweep.time_budget_s: no trial starts that the slowest one says would overrun it; nothing is lost."""
-    conf = private_conf(tmp_path, {"small": SMALL_SPACE})
+    """sweep.time_budget_s: no trial starts that the slowest one says would overrun it; nothing is lost.
+    sweep.first_trials: the named config is trial #0, queued once however often the sweep resumes."""
+    space = SMALL_SPACE + "first_trials:\n  - {batch.mbs: 4, vision: frozen}\n"
+    conf = private_conf(tmp_path, {"small": space})
     cli(["run", "-m", "sweep=small", "sweep.n_trials=1"], cwd=tmp_path, conf=conf)
+    assert only_study(tmp_path).get_trials()[0].params == {"batch.mbs": 4, "vision": "frozen"}  # first_trials
     out = cli(["run", "-m", "sweep=small", "sweep.time_budget_s=1"], cwd=tmp_path, conf=conf).stdout
     assert "sweep: stopping at 1/3 trials: another trial would need about" in out, out[-2000:]
     study = only_study(tmp_path)
@@ -301,3 +304,4 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     assert "confirmation: not started, nothing exported: its 3 re-runs would need about" in out, out[-2000:]
     assert not (tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json").exists()
     assert len(only_study(tmp_path).get_trials()) == len(study.get_trials())  # no trial started
+    assert sum("fixed_params" in t.system_attrs for t in study.get_trials()) == 1  # queued once, not per resume

@@ -89,6 +89,36 @@ def test_conditional_params_are_sampled_only_when_their_condition_holds():
     assert "recompute.modules=[core_attn]" in Space.overrides({"recompute.modules": "[core_attn]"})
 
 
+FIRST_SPACE = {
+    "parallel": ["fsdp", "3d"],
+    "parallel.tp": {"type": "int", "low": 1, "high": 4, "when": {"parallel": "3d"}},
+    "recompute.modules": [["core_attn"], ["moe"]],
+}
+
+
+def test_first_trials_are_checked_against_the_space_and_enqueued_as_given():
+    space = Space.parse(FIRST_SPACE)
+    point = space.point({"parallel": "3d", "parallel.tp": 2, "recompute.modules": ["moe"]}, "sweep.first_trials[0]")
+    assert point == {"parallel": "3d", "parallel.tp": 2, "recompute.modules": "[moe]"}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial(space.point({"parallel": "fsdp"}, "x"))
+    sampled = space.suggest(study.ask())
+    assert sampled["parallel"] == "fsdp" and "parallel.tp" not in sampled and "recompute.modules" in sampled
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"parallel.pp": 2}, r"sweep.first_trials\[1\].parallel.pp: not a param of sweep.params \(searched: parallel, "),
+    ({"parallel": "ddp"}, r"sweep.first_trials\[1\].parallel=ddp is not one of sweep.params.parallel.choices "
+                          r"\[fsdp, 3d\]"),
+    ({"parallel": "3d", "parallel.tp": 8}, r"parallel.tp=8 is outside sweep.params.parallel.tp \[1, 4\]"),
+    ({"parallel": "fsdp", "parallel.tp": 2}, r"parallel.tp is given, but in this config its condition "
+                                             r"\(parallel == '3d'\) does not hold"),
+])
+def test_first_trial_errors_name_the_entry_and_the_rule(values, message):
+    with pytest.raises(SweepSpecError, match=message):
+        Space.parse(FIRST_SPACE).point(values, "sweep.first_trials[1]")
+
+
 def test_a_knob_cannot_be_both_searched_and_fixed():
     with pytest.raises(SweepSpecError, match="sweep.params.batch.mbs is also set by a fixed override"):
         Space.parse({"batch.mbs": [1, 2]}, fixed_keys=["batch.mbs"])
@@ -122,6 +152,10 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
     """Every shipped space composes, and a sample of it validates or is rejected with named rules only."""
     spec = load_spec(compose_config([f"sweep={name}"]).sweep)  # as Hydra composes it (a space may extend another)
     space = Space.parse(spec.params, fixed_keys=[o.split("=")[0] for o in spec.fixed])
+    for i, values in enumerate(spec.first_trials):  # a shipped first trial always plans
+        sampled = space.point(values, f"sweep.first_trials[{i}]")
+        overrides = [f"sweep={name}", *spec.fixed, *Space.overrides(sampled)]
+        plan_trial(compose_config(overrides), overrides)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     valid = 0
     for _ in range(12):

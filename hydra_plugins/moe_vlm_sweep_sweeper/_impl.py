@@ -193,6 +193,7 @@ class SweeperImpl(Sweeper):
         self.budget = TimeBudget(spec.time_budget_s)
         base = self._job_overrides(spec, list(arguments))
         space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
+        first = [space.point(values, f"sweep.first_trials[{i}]") for i, values in enumerate(spec.first_trials)]
         choices = self.config.hydra.runtime.choices
         name = study_name(choices.get("sweep") or "sweep", spec, run_overrides(base))
         sweep_dir = self._sweep_dir(name)
@@ -205,6 +206,9 @@ class SweeperImpl(Sweeper):
               f"{' and '.join(spec.objective.metrics)})\n  optuna storage: {where}"
               + (f"\n  mlflow: {self.tracker.tracking_uri} (moe-vlm-sweep ui)" if self.tracker else ""), flush=True)
         self._recover(study, spec)
+        if len(ledger.counted(study.get_trials(deepcopy=False))) < spec.n_trials:
+            for point in first:  # skip_if_exists: once per study, across resumes and workers
+                study.enqueue_trial(point, skip_if_exists=True)
         for trial in study.get_trials(deepcopy=False, states=ledger.FINISHED):
             if trial.user_attrs.get("run_dir") and trial.datetime_complete and trial.datetime_start:
                 self.budget.saw((trial.datetime_complete - trial.datetime_start).total_seconds())

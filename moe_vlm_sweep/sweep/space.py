@@ -157,6 +157,29 @@ class Space:
             params.append(parse_param(str(key), spec, [p.key for p in params]))
         return cls(tuple(params))
 
+    def point(self, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+        """A config named by hand (``sweep.first_trials``) as Optuna stores its params, checked against the space
+        so a typo fails before the study is touched. Params left out are sampled as usual."""
+        params = {p.key: p for p in self.params}
+        point: dict[str, Any] = {}
+        for key, value in values.items():
+            param = params.get(key)
+            if param is None:
+                raise SweepSpecError(f"{where}.{key}: not a param of sweep.params (searched: {', '.join(params)})")
+            stored = _choice(value)
+            if param.kind == "categorical" and stored not in param.choices:
+                raise SweepSpecError(f"{where}.{key}={format_value(value)} is not one of sweep.params.{key}.choices "
+                                     f"[{', '.join(format_value(c) for c in param.choices)}]")
+            if param.kind != "categorical" and not param.low <= value <= param.high:
+                raise SweepSpecError(f"{where}.{key}={value} is outside sweep.params.{key} "
+                                     f"[{param.low}, {param.high}]")
+            point[key] = stored
+        for param in self.params:
+            if param.key in point and not all(c.holds(point) for c in param.when):
+                raise SweepSpecError(f"{where}.{param.key} is given, but in this config its condition "
+                                     f"({' and '.join(map(str, param.when))}) does not hold, so it is never sampled")
+        return point
+
     def suggest(self, trial: Any) -> dict[str, Any]:
         """Sample every param whose conditions hold, in order; returns key -> value as Optuna stores it."""
         sampled: dict[str, Any] = {}

@@ -82,6 +82,10 @@ class SweepConf:
     """Hydra overrides applied to every trial (``model=tiny``); part of the study identity."""
     params: dict[str, Any] = field(default_factory=dict)
     """The search space: knob -> distribution (see ``moe_vlm_sweep.sweep.space``)."""
+    first_trials: list[dict[str, Any]] = field(default_factory=list)
+    """Configs measured before any sampling, in order, each once per study (param -> value; a param left out is
+    sampled): the reliable FSDP reference first, then hand-tuned recipes, so the search starts from what a
+    person would run and the report's baseline is a trial of the same study."""
     failure_budget: int = 5
     """Launched trials failing in a row (oom, crash, timeout, nan) that end the sweep."""
     top_k: int = 3
