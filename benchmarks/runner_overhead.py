@@ -50,7 +50,7 @@ def bare_loop(run_dir: Path) -> None:
 
         cpu_compat.apply()
     init_distributed(plan)
-    with training_stream(plan.device):
+    with training_stream(plan):
         times = _bare_steps(plan)
     if dist.get_rank() == 0:
         (run_dir / BARE_RESULT).write_text(json.dumps({"step_times": times}) + "\n")

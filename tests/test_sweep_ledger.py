@@ -76,3 +76,23 @@ def test_surplus_once_the_study_is_full(study):
     late = study.ask()
     assert ledger.is_surplus(study.get_trials(), late.number, n_trials=2, stale_after_s=60)
     assert not ledger.is_surplus(study.get_trials(), late.number, n_trials=3, stale_after_s=60)
+
+
+def test_after_a_duplicate_the_next_proposal_is_drawn_at_random(study):
+    """A sampler stuck on one config (a one-point grid) proposes it again; `exploring` draws from the explorer."""
+    from moe_vlm_sweep.sweep.space import Space
+    from moe_vlm_sweep.sweep.study import exploring
+
+    space = Space.parse({"batch.mbs": [1, 2, 4, 8], "vision": ["trainable", "frozen"]})
+    study.sampler = optuna.samplers.GridSampler({"batch.mbs": [1], "vision": ["frozen"]})
+    explorer = optuna.samplers.RandomSampler(seed=0)
+    stuck = [space.suggest(study.ask()) for _ in range(3)]
+    assert all(s == {"batch.mbs": 1, "vision": "frozen"} for s in stuck)
+    drawn = []
+    for _ in range(12):
+        with exploring(study, explorer, now=True):
+            drawn.append(tuple(space.suggest(study.ask()).values()))
+    assert len(set(drawn)) > 3
+    assert isinstance(study.sampler, optuna.samplers.GridSampler)  # the study's own sampler is back
+    with exploring(study, explorer, now=False):
+        assert space.suggest(study.ask()) == {"batch.mbs": 1, "vision": "frozen"}

@@ -29,7 +29,7 @@ from moe_vlm_sweep.sweep import ledger, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.space import Space
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
-from moe_vlm_sweep.sweep.study import open_study, storage_url, study_name
+from moe_vlm_sweep.sweep.study import exploring, open_study, storage_url, study_name
 from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_run_config, outcome_of_result, outcome_of_value,
                                        plan_trial, run_overrides)
 
@@ -213,6 +213,7 @@ class SweeperImpl(Sweeper):
             if trial.user_attrs.get("run_dir") and trial.datetime_complete and trial.datetime_start:
                 self.budget.saw((trial.datetime_complete - trial.datetime_start).total_seconds())
         failures_in_a_row = duplicates_in_a_row = 0
+        explorer = optuna.samplers.RandomSampler(seed=spec.seed + len(study.get_trials(deepcopy=False)))
         while True:
             trials = study.get_trials(deepcopy=False)
             done = len(ledger.counted(trials))
@@ -222,15 +223,16 @@ class SweeperImpl(Sweeper):
                 print(f"sweep: stopping at {done}/{spec.n_trials} trials: "
                       f"{self.budget.why_not('another trial')}", flush=True)
                 return self._finish(study, spec, sweep_dir)
-            trial = study.ask()
-            ledger.own(trial)
-            if ledger.is_surplus(study.get_trials(deepcopy=False), trial.number, spec.n_trials,
-                                 spec.resume.stale_after_s):
-                trial.set_user_attr("claim", "surplus")
-                self._tell(study, trial, Outcome(state="fail", failure_class="surplus",
-                                                 reason="the study was full when this trial was asked"))
-                break
-            sampled = space.suggest(trial)
+            with exploring(study, explorer, now=duplicates_in_a_row > 0):
+                trial = study.ask()
+                ledger.own(trial)
+                if ledger.is_surplus(study.get_trials(deepcopy=False), trial.number, spec.n_trials,
+                                     spec.resume.stale_after_s):
+                    trial.set_user_attr("claim", "surplus")
+                    self._tell(study, trial, Outcome(state="fail", failure_class="surplus",
+                                                     reason="the study was full when this trial was asked"))
+                    break
+                sampled = space.suggest(trial)
             overrides = [*base, *Space.overrides(sampled)]
             trial.set_user_attr("overrides", run_overrides(overrides))
             with self.budget.timing():

@@ -64,15 +64,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def training_stream(device: str) -> contextlib.AbstractContextManager:
-    """The stream a GPU run wraps, trains and captures on: a side stream, never the legacy default one.
+def training_stream(plan: RunPlan) -> contextlib.AbstractContextManager:
+    """The stream a run that captures CUDA graphs wraps, trains and captures on: a side stream, never the legacy
+    default one. Eager runs stay on the default stream, as Megatron-LM's loop does.
 
     Autograd nodes keep the stream they were created on; parameters' AccumulateGrad nodes created on the default
     stream (by the DDP wrapper or the eager warmup steps) make TE's backward capture fail with
     cudaErrorStreamCaptureImplicit ("would make the legacy stream depend on a capturing blocking stream", seen
-    on the H200). PyTorch's CUDA-graph notes prescribe warming up on a side stream for this reason.
+    on the H200). PyTorch's CUDA-graph notes prescribe warming up on a side stream for this reason. Only capture
+    needs it, and the issue's Megatron-FSDP baseline ran at half its earlier speed once every run used it
+    (benchmarks/results/README.md).
     """
-    return torch.cuda.stream(torch.cuda.Stream()) if device == "cuda" else contextlib.nullcontext()
+    if plan.device == "cuda" and plan.run_config.cuda_graph.impl != "none":
+        return torch.cuda.stream(torch.cuda.Stream())
+    return contextlib.nullcontext()
 
 
 def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):

@@ -242,7 +242,7 @@ def run(run_dir: Path) -> None:
                          dp_rank=parallel_state.get_data_parallel_rank(),
                          dp_size=parallel_state.get_data_parallel_world_size())
     clock.mark("init")
-    with training_stream(plan.device):
+    with training_stream(plan):
         chunks = build_model_chunks(plan)
         clock.mark("build")
         trainer = Trainer(plan, chunks, source)
