@@ -29,6 +29,7 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert set(wall) == startup | {"warmup", "measured", "profile"}
     assert all(wall[k] > 0 for k in startup) and wall["measured"] >= sum(metrics["step_time_s"]["steps"])
     assert metrics["graphed_layers"] == 0
+    assert metrics["gc_in_measured_steps"] == {"count": 0, "seconds": 0.0}  # train.manual_gc, the default
     assert metrics["effective_tokens_per_s"] < metrics["tokens_per_s"]
     split = metrics["component_split"]
     assert {f"{c}.{d}" for c in ms.COMPONENTS for d in ("forward", "backward")} <= set(split["seconds"])
@@ -36,6 +37,14 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert {"config.yaml", "plan.json", "command.sh", "worker.log", "result.json"} <= {p.name for p in
                                                                                       run_dir.iterdir()}
     assert read_json(run_dir / "result.json")["status"] == "ok"
+
+
+def test_without_manual_gc_the_collector_pauses_inside_measured_steps(run_cli):
+    """What train.manual_gc keeps out of the timings: a training step allocates enough to trigger collections."""
+    code, run_dir = run_cli("model=tiny", "train.steps=3", "train.profile_steps=0", "train.manual_gc=false")
+    assert code == 0, (run_dir / "worker.log").read_text()
+    pauses = read_json(run_dir / "metrics.json")["gc_in_measured_steps"]
+    assert pauses["count"] > 0 and pauses["seconds"] > 0
 
 
 def test_trace_covers_the_profile_steps(run_cli):

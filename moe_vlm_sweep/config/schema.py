@@ -352,6 +352,10 @@ class TrainConf:
     trace: bool = False
     """Run torch.profiler over the profile steps: ``trace.json`` (Chrome trace) and ``kernels.txt`` (top ops by
     device time) in the run directory, to see whether the GPU idles (launch-bound) or computes."""
+    manual_gc: bool = True
+    """Collect Python's garbage once after the warmup steps, then keep the collector off until the run ends (as
+    Megatron-LM's ``--manual-gc``), so no collection pause lands inside a timed step of a host-bound loop.
+    ``metrics.json``'s ``gc_in_measured_steps`` says what the collector did inside them."""
     timeout_s: float = 600.0
     seed: int = 1234
     lr: float = 1e-3

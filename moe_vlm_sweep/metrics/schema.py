@@ -117,6 +117,9 @@ class Metrics:
     ``startup.init`` (process groups), ``startup.build``, ``startup.wrap`` (DDP or FSDP, optimizer), then
     ``warmup``, ``capture``, ``measured``, ``profile``.
     The measured steps are often a small part of a sweep trial's cost; this says where the rest goes."""
+    gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
+    """Python garbage collections inside the measured steps (``count``, ``seconds``): 0 with ``train.manual_gc``
+    (the default); with it off, the pauses that can make single host-bound steps slow."""
     graphed_layers: int = 0
     """Decoder layers per rank that replayed CUDA graphs in the measured steps (0 with ``cuda_graph=none``);
     a graph scope that graphed nothing fails the run instead of being measured as eager."""

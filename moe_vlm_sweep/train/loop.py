@@ -11,6 +11,7 @@ afterwards. TE CUDA graphs are captured after ``cuda_graph.warmup_steps`` eager 
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,23 @@ class TrainResult:
     wall_s: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds per part of the schedule (``warmup``, ``capture``, ``measured``, ``profile``), data,
     reductions and syncs included: what a run costs beyond its measured steps."""
+    gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
+    """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
+
+
+class _GcPauses:
+    """Counts the collector's pauses while ``timing`` is set (a ``gc.callbacks`` entry)."""
+
+    def __init__(self) -> None:
+        self.timing, self.count, self.seconds, self._began = False, 0, 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            if self.timing:
+                self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - self._began
+            self._began = None
 
 
 def _sync(device: str) -> None:
@@ -251,35 +269,44 @@ class Trainer:
         clock = _PhaseClock(self.plan.device)
         handles: list = []
         tracing = contextlib.ExitStack()
-        for step, phase in enumerate(schedule):
-            if phase == "profile" and trace_dir is not None and not handles:
-                profiler = tracing.enter_context(_profiler(self.plan.device))
-            on_step(step)
-            began = time.perf_counter()
-            if self.cfg.cuda_graph.impl == "transformer_engine" and step == self.cfg.cuda_graph.warmup_steps:
-                result.graphed_layers = self._capture_graphs()
-                result.wall_s["capture"] = time.perf_counter() - began
+        pauses = _GcPauses()
+        gc.callbacks.append(pauses)
+        tracing.callback(gc.callbacks.remove, pauses)
+        if t.manual_gc:
+            tracing.callback(gc.enable)
+        with tracing:  # on any exit: the profiler stops, the collector is back on
+            for step, phase in enumerate(schedule):
+                if t.manual_gc and phase != "warmup" and gc.isenabled():
+                    gc.collect()
+                    gc.disable()
+                if phase == "profile" and trace_dir is not None and not handles:
+                    profiler = tracing.enter_context(_profiler(self.plan.device))
+                on_step(step)
                 began = time.perf_counter()
-            microbatches = self._fetch(step)
-            if phase == "profile" and not handles:
-                handles = self._start_profiling(clock)
-            if phase == "profile":
-                clock.mark("other")
-            _sync(self.plan.device)
-            start = time.perf_counter()
-            self._step(microbatches)
-            _sync(self.plan.device)
-            elapsed = time.perf_counter() - start
-            if phase == "profile":
-                clock.mark("end")
-            if phase == "measured":
-                result.step_times.append(elapsed)
-            self._reduce(step, microbatches, result)
-            result.phases.append(phase)
-            if self.cfg.cuda_graph.impl == "local" and step == 0:
-                result.graphed_layers = local_graphed_layers(self.models)
-            result.wall_s[phase] = result.wall_s.get(phase, 0.0) + time.perf_counter() - began
-        tracing.close()
+                if self.cfg.cuda_graph.impl == "transformer_engine" and step == self.cfg.cuda_graph.warmup_steps:
+                    result.graphed_layers = self._capture_graphs()
+                    result.wall_s["capture"] = time.perf_counter() - began
+                    began = time.perf_counter()
+                microbatches = self._fetch(step)
+                if phase == "profile" and not handles:
+                    handles = self._start_profiling(clock)
+                if phase == "profile":
+                    clock.mark("other")
+                _sync(self.plan.device)
+                start, pauses.timing = time.perf_counter(), phase == "measured"
+                self._step(microbatches)
+                _sync(self.plan.device)
+                elapsed, pauses.timing = time.perf_counter() - start, False
+                if phase == "profile":
+                    clock.mark("end")
+                if phase == "measured":
+                    result.step_times.append(elapsed)
+                self._reduce(step, microbatches, result)
+                result.phases.append(phase)
+                if self.cfg.cuda_graph.impl == "local" and step == 0:
+                    result.graphed_layers = local_graphed_layers(self.models)
+                result.wall_s[phase] = result.wall_s.get(phase, 0.0) + time.perf_counter() - began
+        result.gc_in_measured_steps = {"count": pauses.count, "seconds": pauses.seconds}
         if trace_dir is not None and t.profile_steps:
             _write_trace(profiler, trace_dir, self.plan.device)
         for handle in handles:
