@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N | proxy=N | confirm=STUDY | baseline | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N | proxy=N | confirm=STUDY | baseline | imports | pack
 #   graphs    TE CUDA-graph scopes against eager on model=small (3D, MBS 16), traced (kernels.txt per run), with
 #             TE's attention-backend log
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -10,6 +10,7 @@
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   baseline  the baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
+#   imports   python -X importtime of the worker's heavy imports ($OUT/importtime.txt)
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
 # Call 2 of 2026-12-03 ran the earlier form of this script: graphs (MBS 32), sweep=9, confirm, baseline.
 set -u
@@ -48,6 +49,10 @@ for step in "$@"; do
         --common "$C" --config baseline_fsdp_mbs8="parallel=fsdp batch.mbs=8 cuda_graph=none" \
         --config 3d_mbs32="parallel=3d batch.mbs=32 cuda_graph=none"
       stop_orphans ;;
+    imports)  # where a trial's 12-18 s of imports go: the 15 slowest modules, cumulative
+      python3 -X importtime -c "import torch, transformer_engine.pytorch, megatron.core.models.multimodal.llava_model, moe_vlm_sweep.train.loop" \
+        2> "$OUT/importtime.txt"
+      sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -15 ;;
     pack)
       tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
