@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
+from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.sweep import ledger, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.space import Space
@@ -81,6 +82,14 @@ class SweeperImpl(Sweeper):
             static_tags={"moe_vlm_sweep.git_commit": mlflow_sink.git_commit(REPO_ROOT)})
         tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": url})
         return tracker
+
+    def _check_slurm_job(self, base: List[str]) -> None:
+        """Before anything is submitted: the Slurm job must hold the runs' process group and timeout."""
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(base))
+        problems = slurm.job_problems(self.config.hydra.launcher, nproc_per_node=cfg.launcher.nproc_per_node,
+                                      nnodes=cfg.launcher.nnodes, timeout_s=cfg.train.timeout_s)
+        if problems:
+            raise SweepError("the Slurm job (hydra.launcher) cannot hold this sweep's runs: " + "; ".join(problems))
 
     # --- resume -------------------------------------------------------------------------------------------
 
@@ -192,6 +201,8 @@ class SweeperImpl(Sweeper):
         spec = load_spec(self.config.get("sweep"))
         self.budget = TimeBudget(spec.time_budget_s)
         base = self._job_overrides(spec, list(arguments))
+        if self.project and slurm.is_submitit(self.config.hydra.launcher):
+            self._check_slurm_job(base)
         space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
         first = [space.point(values, f"sweep.first_trials[{i}]") for i, values in enumerate(spec.first_trials)]
         choices = self.config.hydra.runtime.choices
