@@ -1,14 +1,24 @@
-"""Slurm through Hydra's submitit launcher: the preset composes, and a job that cannot hold the runs is refused
-before anything is submitted; end to end, a sweep's trials run as submitit jobs (its local executor: no Slurm here)."""
+"""Slurm through submitit: Hydra's submitit launcher (the preset composes; a job that cannot hold the runs is
+refused before anything is submitted; a sweep's trials run as submitit jobs) and launchers/sweep_workers.py
+(sweep workers as a job array on one study). End to end on submitit's local executor: no Slurm here."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
 import pytest
 from hydra import compose, initialize_config_dir
 
 from moe_vlm_sweep.config.compose import CONF_DIR, register
 from moe_vlm_sweep.launch.slurm import is_submitit, job_problems
+from moe_vlm_sweep.sweep import ledger
 from sweep_testing import cli, only_study, private_conf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 JOB = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 8, "timeout_min": 60}
 
@@ -62,3 +72,29 @@ def test_sweep_trials_run_as_submitit_jobs(tmp_path):
     assert [t.user_attrs["failure_class"] for t in trials] == ["ok", "ok"]
     logs = sorted((tmp_path / "outputs" / "multirun").glob("*/.submitit/*/*_0_log.out"))
     assert len(logs) == 2 and all("Job completed successfully" in p.read_text() for p in logs)
+
+
+@pytest.mark.slow
+def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
+    """launchers/sweep_workers.py with submitit's local executor: two array tasks, one study, no config twice."""
+    space = SPACE.replace("n_trials: 2", "n_trials: 4") + "  vision: [trainable, frozen]\n"  # 6 configs
+    conf = private_conf(tmp_path, {"tiny4": space})
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2",
+                           "--storage", storage, "--seed", "7", "--cluster", "local", "--wait",
+                           "--folder", str(tmp_path / "submitit"), "--", "sweep=tiny4", "sweep.study_name=shared"],
+                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("exit 0") == 2 and "sweep.seed=7" in proc.stdout and "sweep.seed=8" in proc.stdout
+    study = optuna.load_study(study_name="shared", storage=storage)
+    launched = [t for t in study.get_trials() if t.user_attrs.get("claim") == "launch"]
+    assert len(ledger.counted(study.get_trials())) == 4
+    assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched)
+    assert len({t.user_attrs["worker"] for t in launched}) == 2, "both array tasks should have run trials"
+
+
+def test_sweep_workers_refuse_sqlite_on_slurm():
+    proc = subprocess.run([sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2",
+                           "--storage", "sqlite:///x.db", "--", "sweep=cpu_demo"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "workers on several nodes need PostgreSQL storage" in proc.stderr

@@ -1,0 +1,77 @@
+"""Many sweep workers on one study as a job array, through submitit: how a cluster runs trials in parallel.
+
+Each array task runs one ordinary sweep process, ``moe-vlm-sweep run -m <overrides> sweep.storage=<url>
+sweep.seed=<seed + index>``, on its own node; the workers share the study through the storage, and its ledger
+launches no config twice. Slurm needs PostgreSQL storage (SQLite over a shared file system does not lock safely);
+``--cluster local`` runs the array as local processes, which is how it is tested here.
+
+    python launchers/sweep_workers.py --workers 8 --storage postgresql+psycopg2://user@db/optuna \\
+        --slurm partition=gpu gpus_per_node=8 timeout_min=720 \\
+        -- sweep=cluster_3d launcher=torchrun launcher.nproc_per_node=8
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import submitit
+
+GENERIC = {"timeout_min", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb", "name"}
+"""submitit's executor-independent parameters; any other ``--slurm key=value`` is passed as ``slurm_<key>``."""
+
+
+def worker(argv: list[str]) -> int:
+    """One array task: a sweep process, its output in the task's submitit log."""
+    cli = shutil.which("moe-vlm-sweep")
+    command = [cli] if cli else [sys.executable, "-m", "moe_vlm_sweep.cli"]
+    return subprocess.run([*command, "run", "-m", *argv]).returncode
+
+
+def parameters(pairs: list[str], workers: int) -> dict:
+    params: dict = {"nodes": 1, "tasks_per_node": 1, "slurm_array_parallelism": workers}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--slurm {pair!r}: expected key=value (e.g. partition=gpu)")
+        params[key if key in GENERIC else f"slurm_{key}"] = int(value) if value.isdigit() else value
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--storage", required=True, help="the shared Optuna storage URL")
+    parser.add_argument("--seed", type=int, default=0, help="worker i samples with sweep.seed = seed + i")
+    parser.add_argument("--cluster", choices=("slurm", "local"), default="slurm")
+    parser.add_argument("--slurm", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="job parameters: timeout_min, gpus_per_node, ... or any sbatch option (partition=...)")
+    parser.add_argument("--folder", type=Path, default=Path("outputs/submitit"), help="submitit's logs and state")
+    parser.add_argument("--wait", action="store_true", help="wait for every worker and report its exit status")
+    parser.add_argument("overrides", nargs="+", help="the sweep command's overrides, after --")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers={args.workers} must be >= 1")
+    if args.cluster == "slurm" and not args.storage.startswith("postgresql"):
+        parser.error(f"--storage={args.storage}: workers on several nodes need PostgreSQL storage "
+                     "(postgresql://...), since SQLite does not lock safely over a shared file system")
+    executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
+    executor.update_parameters(**parameters(args.slurm if args.cluster == "slurm" else [], args.workers))
+    argvs = [[*args.overrides, f"sweep.storage={args.storage}", f"sweep.seed={args.seed + i}"]
+             for i in range(args.workers)]
+    jobs = executor.map_array(worker, argvs)
+    for job, argv_i in zip(jobs, argvs):
+        print(f"worker {job.job_id}: moe-vlm-sweep run -m {' '.join(argv_i)}", flush=True)
+    if not args.wait:
+        return 0
+    codes = [job.result() for job in jobs]
+    for job, code in zip(jobs, codes):
+        print(f"worker {job.job_id}: exit {code} (log: {job.paths.stdout})", flush=True)
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
