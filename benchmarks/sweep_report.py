@@ -3,7 +3,8 @@
 Reads the study and the MLflow store the sweep wrote under ``--outputs`` (as brought back from the GPU machine).
 The table's numbers come from the trials' MLflow metrics (the trial's metrics.json, as logged), so the markdown
 says what MLflow says. With ``--baseline FILE:NAME`` (a ``compare_configs.py`` JSON measured on the same machine as
-``--confirm FILE``, a ``best/confirm.json``), it adds the confirmed winner's re-run median against that baseline.
+``--confirm FILE``, a ``best/confirm.json``) or ``--baseline trial:N`` (a trial of the study, such as the first of
+its ``first_trials``), it adds the confirmed winner's re-run median against that baseline.
 
     python benchmarks/sweep_report.py --outputs /tmp/out/outputs --out-dir benchmarks/results/h200_single_small \\
         --baseline benchmarks/results/h200_confirm.json:baseline_fsdp_mbs8 --confirm .../best/confirm.json
@@ -56,24 +57,35 @@ def outcomes(study: optuna.Study) -> str:
     return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
 
 
-def versus_baseline(baseline: str, confirm_file: Path) -> str:
-    """The confirmed winner's re-run median MFU against the baseline's MFU, both measured on one machine."""
+def baseline_mfu(baseline: str, runs: list[dict]) -> tuple[str, float]:
+    """``FILE:NAME`` (a compare_configs.py row) or ``trial:N`` (a trial of this study, e.g. its first_trials)."""
+    if baseline.startswith("trial:"):
+        number = baseline.removeprefix("trial:")
+        run = next((r for r in runs if r["tags"].get("moe_vlm_sweep.trial") == number), None)
+        if run is None or "mfu" not in run["metrics"]:
+            raise SystemExit(f"--baseline {baseline}: trial #{number} has no MFU in the study's MLflow runs")
+        return f"trial #{number}", run["metrics"]["mfu"]
     path, _, name = baseline.rpartition(":")
     rows = {r["config"]: r for r in json.loads(Path(path).read_text())["runs"]}
     if rows.get(name, {}).get("status") != "ok":
         raise SystemExit(f"--baseline {baseline}: no successful row {name!r} in {path}")
+    return f"`{name}`", rows[name]["mfu"]
+
+
+def versus_baseline(baseline: tuple[str, float], confirm_file: Path) -> str:
+    """The confirmed winner's re-run median MFU against the baseline's MFU, both measured on one machine."""
     confirmation = json.loads(confirm_file.read_text())
     if confirmation["objective_metrics"][0] != "mfu":
         raise SystemExit(f"{confirm_file}: the confirmed objective is {confirmation['objective_metrics'][0]}, not mfu")
     winner = next((c for c in confirmation["candidates"] if c["holds"]), None)
     if winner is None:
         return "Confirmation: no candidate held (each had a failed re-run)."
-    base, best = rows[name]["mfu"], winner["median_values"][0]
+    (name, base), best = baseline, winner["median_values"][0]
     cvs = ", ".join(f"#{c['trial']} {c['step_time_cv_across_repeats']:.1%}" for c in confirmation["candidates"]
                     if c["step_time_cv_across_repeats"] is not None)
     return "\n".join([
         "config | MFU (%) | ratio", "--- | --- | ---",
-        f"baseline `{name}` | {base * 100:.2f} | 1.00",
+        f"baseline {name} | {base * 100:.2f} | 1.00",
         f"trial #{winner['trial']} (median of {len(winner['repeats'])} re-runs) | {best * 100:.2f} | {best / base:.2f}",
         "", f"Step-time CV across each candidate's re-runs (target <= {confirmation['cv_target']:.0%}): {cvs}.",
     ])
@@ -86,7 +98,8 @@ def main() -> int:
     parser.add_argument("--experiment", default="moe-vlm-sweep", help="MLflow experiment (tracking.experiment)")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--baseline", metavar="FILE:NAME", help="compare_configs JSON and row of the baseline")
+    parser.add_argument("--baseline", metavar="FILE:NAME|trial:N",
+                        help="the baseline: a compare_configs JSON and row, or a trial of the study")
     parser.add_argument("--confirm", type=Path, help="the confirm.json measured on the same machine as --baseline")
     args = parser.parse_args()
     study = _study(args.outputs, args.study)
@@ -102,7 +115,7 @@ def main() -> int:
               f"data realism {study.user_attrs.get('data_realism')}.", "", table(study, runs, args.top)]
     if args.baseline and args.confirm:
         report += ["", "Confirmed best against the baseline (both measured on one machine):", "",
-                   versus_baseline(args.baseline, args.confirm)]
+                   versus_baseline(baseline_mfu(args.baseline, runs), args.confirm)]
     (args.out_dir / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))
     return 0
