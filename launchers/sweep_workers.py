@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     codes = [job.result() for job in jobs]
     for job, code in zip(jobs, codes):
         print(f"worker {job.job_id}: exit {code} (log: {job.paths.stdout})", flush=True)
-    return max(codes)
+    return next((1 for code in codes if code != 0), 0)  # a signal's negative code is a failure too
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_run_config, o
                                        plan_trial, run_overrides)
 
 MAX_DUPLICATES_IN_A_ROW = 25
+EXPLORER_SEED_OFFSET = 1_000_003
 _LAUNCH_FAILURES = ("oom", "crash", "timeout", "nan")
 _TELL_STATE = {"pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
 
@@ -224,7 +225,9 @@ class SweeperImpl(Sweeper):
             if trial.user_attrs.get("run_dir") and trial.datetime_complete and trial.datetime_start:
                 self.budget.saw((trial.datetime_complete - trial.datetime_start).total_seconds())
         failures_in_a_row = duplicates_in_a_row = 0
-        explorer = optuna.samplers.RandomSampler(seed=spec.seed + len(study.get_trials(deepcopy=False)))
+        # Its own seed stream: TPE's random start draws from seed + len(trials), which the explorer must not replay.
+        explorer = optuna.samplers.RandomSampler(
+            seed=EXPLORER_SEED_OFFSET + spec.seed + len(study.get_trials(deepcopy=False)))
         while True:
             trials = study.get_trials(deepcopy=False)
             done = len(ledger.counted(trials))
