@@ -10,7 +10,7 @@
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   baseline  the baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
-#   imports   python -X importtime of the worker's heavy imports ($OUT/importtime.txt)
+#   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
 # Call 2 of 2026-12-03 ran the earlier form of this script: graphs (MBS 32), sweep=9, confirm, baseline.
 set -u
@@ -22,14 +22,16 @@ CALL_S=${CALL_S:-570}
 left() { echo $((CALL_S - SECONDS)); }
 C="model=small hardware=h200 batch.gbs=32 train.warmup_steps=3 train.steps=8 train.timeout_s=100 recompute=none vision=trainable dispatcher=alltoall"
 D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
+S="model.text_tokens=1089"  # 1664 decoder tokens, a multiple of 128 (1599 is not): TE's cuDNN graph-capture rule
 stop_orphans() { pkill -f moe_vlm_sweep.train.worker; sleep 2; }  # a worker a timeout orphaned must not share the GPU
 for step in "$@"; do
   case "$step" in
     graphs)  # NVTE_DEBUG: TE logs why it picks each attention backend (worker.log), since graphed layers ran unfused
-      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 230 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
+      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 330 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
         --out "$OUT/h200_graphs.json" --common "$C parallel=3d batch.mbs=16 train.trace=true" \
         --config 3d_mbs16="cuda_graph=none" --config 3d_mbs16_attn="cuda_graph=attn" \
-        --config 3d_mbs16_layer_te="cuda_graph=layer_te $D" --config 3d_mbs16_layer_local="cuda_graph=layer_local $D"
+        --config 3d_mbs16_layer_te="cuda_graph=layer_te $D" --config 3d_mbs16_layer_local="cuda_graph=layer_local $D" \
+        --config 3d_mbs16_s1664="cuda_graph=none $S" --config 3d_mbs16_s1664_attn="cuda_graph=attn $S"
       grep -h -i "backend\|disabling" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -40
       stop_orphans ;;
     sweep=*|proxy=*)
@@ -49,10 +51,18 @@ for step in "$@"; do
         --common "$C" --config baseline_fsdp_mbs8="parallel=fsdp batch.mbs=8 cuda_graph=none" \
         --config 3d_mbs32="parallel=3d batch.mbs=32 cuda_graph=none"
       stop_orphans ;;
-    imports)  # where a trial's 12-18 s of imports go: the 15 slowest modules, cumulative
-      python3 -X importtime -c "import torch, transformer_engine.pytorch, megatron.core.models.multimodal.llava_model, moe_vlm_sweep.train.loop" \
-        2> "$OUT/importtime.txt"
-      sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -15 ;;
+    imports)  # where a trial's 12-18 s of imports go: the 15 slowest modules, cumulative; then the chain timed
+              # with jax importable and with the worker's skip_jax, alternating, twice each ($OUT/imports.txt)
+      chain="import torch, transformer_engine.pytorch, megatron.core.models.multimodal.llava_model, moe_vlm_sweep.train.loop"
+      python3 -X importtime -c "$chain" 2> "$OUT/importtime.txt"
+      sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -15
+      for run in 1 2; do
+        for jax in importable skipped; do
+          pre="import time; t = time.perf_counter(); "
+          [[ $jax == skipped ]] && pre+="from moe_vlm_sweep.train.worker import skip_jax; skip_jax(); "
+          python3 -c "$pre$chain; print('run $run, jax $jax: %.2f s' % (time.perf_counter() - t))" 2>/dev/null
+        done
+      done | tee "$OUT/imports.txt" ;;
     pack)
       tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,3 +106,14 @@ def test_atomic_write_never_leaves_partial_files(tmp_path):
         write_json_atomic(path, {"a": object()})  # fails half-way through serialising
     assert json.loads(path.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+def test_skip_jax_makes_jax_unimportable_for_te_without_breaking_spec_probes():
+    """TE's ``from . import jax`` must end in the ImportError it ignores; ``find_spec`` probes must not raise."""
+    code = ("import importlib.util\n"
+            "from moe_vlm_sweep.train.worker import skip_jax\n"
+            "skip_jax()\n"
+            "assert importlib.util.find_spec('jax') is None\n"
+            "try:\n    import jax\nexcept ImportError:\n    print('jax skipped')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "jax skipped"

@@ -263,7 +263,14 @@ def _note_step(step: int) -> None:
     _current_step = step
 
 
+def skip_jax() -> None:
+    """TE's package init imports ``transformer_engine.jax`` whenever jax is installed, and only warns when that
+    extension is missing: seconds of import in every trial on images that ship jax. This worker is PyTorch only."""
+    sys.modules.setdefault("jax", None)
+
+
 def main(argv: list[str]) -> int:
+    skip_jax()
     if len(argv) != 2:
         print("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", file=sys.stderr)
         return 2
