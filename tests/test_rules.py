@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from moe_vlm_sweep.cli import EXIT_INVALID, main
-from moe_vlm_sweep.plan.rules import RULES
+from moe_vlm_sweep.config.compose import compose_run_config
+from moe_vlm_sweep.plan.rules import RULES, graphs_unfuse_attention
 
 T2 = ["launcher=torchrun", "launcher.nproc_per_node=2"]
 GPU = ["hardware=h200"]
+DROP_AND_PAD = ["dispatcher.capacity_factor=1.0", "dispatcher.pad_to_capacity=true"]
 
 # rule name -> (overrides, text the error must contain)
 CASES: dict[str, tuple[list[str], str]] = {
@@ -161,3 +163,22 @@ def test_check_rejects_fast_without_importing_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_INVALID, proc.stderr
     assert "parallel.ep=3 must divide model.decoder.num_experts=16" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, cudnn, refused", [
+    (["cuda_graph=attn"], 91500, True),                                # 1599 tokens: TE would run unfused attention
+    (["cuda_graph=layer_te", *DROP_AND_PAD], 90800, True),            # whole layers hold attention too
+    (["cuda_graph=attn"], 91501, False),                               # cuDNN 9.15.1 keeps fused attention
+    (["cuda_graph=attn", "model.text_tokens=1089"], 91500, False),     # 1664 = 13 x 128
+    (["cuda_graph=attn", "cuda_graph.modules=[moe_router]"], 91500, False),  # attention stays eager
+    (["cuda_graph=none"], 91500, False),
+])
+def test_graphed_attention_needs_a_cudnn_that_keeps_it_fused(overrides, cudnn, refused):
+    """The machine-fact rule the worker's preflight applies (TE's nvte_get_fused_attn_backend, cuDNN <= 9.15.0)."""
+    cfg = compose_run_config(["model=small", "hardware=h200", "parallel=3d", "batch.mbs=16", "batch.gbs=32",
+                              "recompute=none", *overrides])
+    message = graphs_unfuse_attention(cfg, cudnn)
+    assert (message is not None) == refused, message
+    if refused:
+        assert f"cuda_graph={cfg.cuda_graph.scope} graphs decoder attention" in message
+        assert "1599 decoder tokens per CP rank" in message and "set model.text_tokens=1089 (1664 decoder" in message

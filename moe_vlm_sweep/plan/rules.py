@@ -4,7 +4,8 @@ Each rule is a small function of the whole ``RunConfig`` returning a message (kn
 mirror what megatron-core 0.19 enforces at build or training time (``TransformerConfig.__post_init__``,
 ``parallel_state``, the MoE layer, LLaVA) plus what this product's worker supports, so a bad layout is found
 on a laptop or login node instead of after a cluster queue. Rules are pure: what depends on the machine (TE or
-DeepEP installed, GPUs present) is the worker's preflight.
+DeepEP installed, GPUs present) is the worker's preflight, and a rule that needs a machine fact (the cuDNN
+version) takes it as an argument and is called from there.
 """
 
 from __future__ import annotations
@@ -397,6 +398,31 @@ def te_graphs_need_te_specs(cfg: RunConfig) -> Optional[str]:
     if cfg.cuda_graph.impl == "transformer_engine" and cfg.hardware.device == "cuda" and not _uses_te(cfg):
         return ("cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
                 "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)")
+
+
+CUDNN_GRAPHED_ATTENTION_FIX = 91501
+"""The cuDNN runtime (9.15.1, encoded as TE and cudnnGetVersion do) from which TE keeps fused attention inside
+CUDA-graph capture whatever the sequence length (``nvte_get_fused_attn_backend``, TE 2.20)."""
+
+
+def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int) -> Optional[str]:
+    """Not a registered rule: the worker's preflight passes the runtime cuDNN. With cuDNN <= 9.15.0, TE refuses
+    fused attention while a graph is captured unless the (SBHD, non-padding) KV length is a multiple of 128, and
+    silently runs unfused attention: on the H200 0.47-0.63x the eager step and 1.9x its memory
+    (benchmarks/results/h200_graphs_cudnn/), a trap, not a config worth measuring."""
+    g, cp = cfg.cuda_graph, cfg.parallel.cp
+    graphs_attention = g.impl in ("local", "transformer_engine") and (not g.modules or "attn" in g.modules)
+    seq = cfg.model.seq_length
+    if not graphs_attention or not _uses_te(cfg) or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX \
+            or (seq // cp) % 128 == 0:
+        return None
+    pad = -seq % (128 * cp)
+    version = f"{cudnn_version // 10000}.{cudnn_version // 100 % 100}.{cudnn_version % 100}"
+    return (f"cuda_graph={g.scope} graphs decoder attention, but with cuDNN {version} (<= 9.15.0) TE refuses fused "
+            f"attention under graph capture when the KV length ({seq // cp} decoder tokens per CP rank) is not a "
+            f"multiple of 128, and runs unfused attention instead (about half the eager speed, twice the memory): "
+            f"set model.text_tokens={cfg.model.text_tokens + pad} ({seq + pad} decoder tokens), graph no "
+            "attention (cuda_graph=none), or upgrade cuDNN to 9.15.1+")
 
 
 # --- memory ------------------------------------------------------------------------------------------------

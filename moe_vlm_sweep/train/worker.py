@@ -68,6 +68,14 @@ def preflight(plan: RunPlan) -> None:
                 problems.append(f"{knob} needs {package}.{attr}, which this {package} build lacks")
         except ImportError as exc:
             problems.append(f"{knob} needs the {package} package, which is not importable here: {exc}")
+    if plan.transformer_impl == "transformer_engine" and plan.device == "cuda" and not problems:
+        from transformer_engine.pytorch.utils import get_cudnn_version
+
+        from moe_vlm_sweep.plan.rules import graphs_unfuse_attention
+
+        major, minor, patch = get_cudnn_version()
+        if message := graphs_unfuse_attention(cfg, major * 10000 + minor * 100 + patch):
+            problems.append(message)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.layout.world_size:
         problems.append(f"the plan's layout needs world_size={plan.layout.world_size} processes "
