@@ -23,7 +23,9 @@ left() { echo $((CALL_S - SECONDS)); }
 C="model=small hardware=h200 batch.gbs=32 train.warmup_steps=3 train.steps=8 train.timeout_s=100 recompute=none vision=trainable dispatcher=alltoall"
 D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
 S="model.text_tokens=1089"  # 1664 decoder tokens, a multiple of 128 (1599 is not): TE's cuDNN graph-capture rule
-stop_orphans() { pkill -f moe_vlm_sweep.train.worker; sleep 2; }  # a worker a timeout orphaned must not share the GPU
+# A worker a timeout orphaned must not share the GPU. "[m]" keeps the pattern from matching a shell whose own
+# command line holds it (an inline call of 2026-12-03 ended itself that way).
+stop_orphans() { pkill -f "[m]oe_vlm_sweep.train.worker"; sleep 2; }
 for step in "$@"; do
   case "$step" in
     graphs)  # NVTE_DEBUG: TE logs why it picks each attention backend (worker.log), since graphed layers ran unfused

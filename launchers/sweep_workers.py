@@ -3,7 +3,8 @@
 Each array task runs one ordinary sweep process, ``moe-vlm-sweep run -m <overrides> sweep.storage=<url>
 sweep.seed=<seed + index>``, on its own node; the workers share the study through the storage, and its ledger
 launches no config twice. Slurm needs PostgreSQL storage (SQLite over a shared file system does not lock safely);
-``--cluster local`` runs the array as local processes, which is how it is tested here.
+``--cluster local`` runs the array as local processes, which is how it is tested here. Each worker gets the
+job's time limit, less a margin, as ``sweep.time_budget_s``: it stops between trials instead of being killed in one.
 
     python launchers/sweep_workers.py --workers 8 --storage postgresql+psycopg2://user@db/optuna \\
         --slurm partition=gpu gpus_per_node=8 timeout_min=720 \\
@@ -21,7 +22,12 @@ from pathlib import Path
 import submitit
 
 GENERIC = {"timeout_min", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb", "name"}
-"""submitit's executor-independent parameters; any other ``--slurm key=value`` is passed as ``slurm_<key>``."""
+"""submitit's executor-independent parameters (used by ``--cluster local`` too); any other ``--slurm key=value`` is
+passed as ``slurm_<key>``."""
+TIMEOUT_MIN = 24 * 60
+"""The job's time limit unless ``--slurm timeout_min=...`` says otherwise (submitit's own default is 5 minutes)."""
+MARGIN_S = 300
+"""Of the job's time limit, kept back from the sweep's budget for start-up, the last export and MLflow."""
 
 
 def worker(argv: list[str]) -> int:
@@ -31,14 +37,28 @@ def worker(argv: list[str]) -> int:
     return subprocess.run([*command, "run", "-m", *argv]).returncode
 
 
-def parameters(pairs: list[str], workers: int) -> dict:
-    params: dict = {"nodes": 1, "tasks_per_node": 1, "slurm_array_parallelism": workers}
+def parameters(pairs: list[str], workers: int, cluster: str) -> dict:
+    params: dict = {"nodes": 1, "tasks_per_node": 1, "timeout_min": TIMEOUT_MIN, "slurm_array_parallelism": workers}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--slurm {pair!r}: expected key=value (e.g. partition=gpu)")
-        params[key if key in GENERIC else f"slurm_{key}"] = int(value) if value.isdigit() else value
+        if key in GENERIC or cluster == "slurm":
+            params[key if key in GENERIC else f"slurm_{key}"] = int(value) if value.isdigit() else value
     return params
+
+
+def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
+    """``sweep.time_budget_s`` within the job's limit: the job's limit less MARGIN_S, or the user's if smaller."""
+    most = timeout_min * 60 - MARGIN_S
+    if most <= 0:
+        raise SystemExit(f"--slurm timeout_min={timeout_min}: a sweep job needs more than {MARGIN_S} s, "
+                         "the margin kept for start-up and the last export")
+    given = [o for o in overrides if o.startswith("sweep.time_budget_s=")]
+    if given and float(given[-1].split("=", 1)[1]) > most:
+        raise SystemExit(f"{given[-1]} does not fit the job: timeout_min={timeout_min} leaves at most {most} s "
+                         f"after the {MARGIN_S} s margin")
+    return [] if given else [f"sweep.time_budget_s={most}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="worker i samples with sweep.seed = seed + i")
     parser.add_argument("--cluster", choices=("slurm", "local"), default="slurm")
     parser.add_argument("--slurm", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="job parameters: timeout_min, gpus_per_node, ... or any sbatch option (partition=...)")
+                        help="job parameters: timeout_min, gpus_per_node, ... (also for --cluster local) or any "
+                             "sbatch option (partition=...)")
     parser.add_argument("--folder", type=Path, default=Path("outputs/submitit"), help="submitit's logs and state")
     parser.add_argument("--wait", action="store_true", help="wait for every worker and report its exit status")
     parser.add_argument("overrides", nargs="+", help="the sweep command's overrides, after --")
@@ -58,19 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.cluster == "slurm" and not args.storage.startswith("postgresql"):
         parser.error(f"--storage={args.storage}: workers on several nodes need PostgreSQL storage "
                      "(postgresql://...), since SQLite does not lock safely over a shared file system")
+    params = parameters(args.slurm, args.workers, args.cluster)
+    budget = time_budget(args.overrides, params["timeout_min"])
     executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
-    executor.update_parameters(**parameters(args.slurm if args.cluster == "slurm" else [], args.workers))
-    argvs = [[*args.overrides, f"sweep.storage={args.storage}", f"sweep.seed={args.seed + i}"]
+    executor.update_parameters(**params)
+    argvs = [[*args.overrides, *budget, f"sweep.storage={args.storage}", f"sweep.seed={args.seed + i}"]
              for i in range(args.workers)]
     jobs = executor.map_array(worker, argvs)
     for job, argv_i in zip(jobs, argvs):
         print(f"worker {job.job_id}: moe-vlm-sweep run -m {' '.join(argv_i)}", flush=True)
     if not args.wait:
         return 0
-    codes = [job.result() for job in jobs]
-    for job, code in zip(jobs, codes):
-        print(f"worker {job.job_id}: exit {code} (log: {job.paths.stdout})", flush=True)
-    return next((1 for code in codes if code != 0), 0)  # a signal's negative code is a failure too
+    failed = False
+    for job in jobs:  # every worker's status, whatever the others' were
+        try:
+            code = job.result()
+            status = f"exit {code}"
+        except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job: report it, go on to the next
+            code, status = None, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        failed = failed or code != 0  # a signal's negative code is a failure too
+        print(f"worker {job.job_id}: {status} (log: {job.paths.stdout})", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

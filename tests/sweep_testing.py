@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import optuna
+import psutil
 
 from moe_vlm_sweep.config.compose import CONF_DIR
 
@@ -61,3 +62,13 @@ def mlflow_runs(cwd: Path, experiment: str = "moe-vlm-sweep") -> list:
 def children_by_trial(runs: list) -> dict[int, object]:
     return {int(r.data.tags["moe_vlm_sweep.trial"]): r for r in runs
             if r.data.tags.get("moe_vlm_sweep.role") == "trial"}
+
+
+def end_orphans(root: Path) -> None:
+    """A killed process's training worker runs in its own session; end it (it is this test's process)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(root) in arg for arg in proc.info["cmdline"] or []) and proc.pid != os.getpid():
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -5,8 +5,10 @@ refused before anything is submitted; a sweep's trials run as submitit jobs) and
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -16,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from moe_vlm_sweep.config.compose import CONF_DIR, register
 from moe_vlm_sweep.launch.slurm import is_submitit, job_problems
 from moe_vlm_sweep.sweep import ledger
-from sweep_testing import cli, only_study, private_conf
+from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf, start_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +41,8 @@ def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     ({"gpus_per_node": 4}, {}, "hydra.launcher.gpus_per_node=4 is less than launcher.nproc_per_node=8"),
     ({"nodes": 2}, {}, "hydra.launcher.nodes=2 must be 1"),
     ({}, {"nnodes": 2}, "launcher.nnodes=2: a run under Slurm is one node's process group"),
-    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s"),
+    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by 120 s"),
+    ({"timeout_min": 11}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s by 120 s"),
 ])
 def test_a_job_that_cannot_hold_the_run_is_named(change, launcher, message):
     problems = job_problems({**JOB, **change}, **{"nproc_per_node": 8, "nnodes": 1, **launcher}, timeout_s=600)
@@ -75,18 +78,40 @@ def test_sweep_trials_run_as_submitit_jobs(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_job_the_scheduler_kills_fails_its_trial_and_the_sweep_goes_on(tmp_path):
+    """What scancel or a node failure does to a job: its process dies without a result, and submitit's results()
+    raises. The trial fails as a crash, in Optuna and MLflow, and the next trial runs."""
+    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    proc = start_cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local"], cwd=tmp_path, conf=conf, log=log)
+    try:
+        deadline = time.monotonic() + 300
+        while not (jobs := list((tmp_path / "outputs" / "multirun").glob("*/.submitit/[0-9]*"))):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        os.kill(int(jobs[0].name), signal.SIGKILL)  # the local executor's job id is the job process's pid
+        assert proc.wait(timeout=600) == 0, log.read_text()
+    finally:
+        end_orphans(tmp_path)
+    trials = only_study(tmp_path).get_trials()
+    assert [t.user_attrs["failure_class"] for t in trials] == ["crash", "ok"], log.read_text()
+    assert "the launcher lost the job: UncompletedJobError" in trials[0].user_attrs["reason"]
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert [(children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"])
+            for t in trials] == [("FAILED", "crash"), ("FINISHED", "ok")]
+
+
+@pytest.mark.slow
 def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
     """launchers/sweep_workers.py with submitit's local executor: two array tasks, one study, no config twice."""
     space = SPACE.replace("n_trials: 2", "n_trials: 4") + "  vision: [trainable, frozen]\n"  # 6 configs
     conf = private_conf(tmp_path, {"tiny4": space})
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2",
-                           "--storage", storage, "--seed", "7", "--cluster", "local", "--wait",
-                           "--folder", str(tmp_path / "submitit"), "--", "sweep=tiny4", "sweep.study_name=shared"],
-                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=900)
+    proc = subprocess.run(_workers(storage, "--seed", "7", "--slurm", "timeout_min=30", "--folder",
+                                   str(tmp_path / "submitit"), "--", "sweep=tiny4", "sweep.study_name=shared"),
+                          cwd=tmp_path, env=_env(conf), text=True, capture_output=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("exit 0") == 2 and "sweep.seed=7" in proc.stdout and "sweep.seed=8" in proc.stdout
+    assert proc.stdout.count("sweep.time_budget_s=1500") == 2, "30 min less the 300 s margin"
     study = optuna.load_study(study_name="shared", storage=storage)
     launched = [t for t in study.get_trials() if t.user_attrs.get("claim") == "launch"]
     assert len(ledger.counted(study.get_trials())) == 4
@@ -94,7 +119,63 @@ def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
     assert len({t.user_attrs["worker"] for t in launched}) == 2, "both array tasks should have run trials"
 
 
+def _workers(storage: str, *args: str) -> list[str]:
+    return [sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2", "--storage", storage,
+            "--cluster", "local", "--wait", *args]
+
+
+def _env(conf: Path) -> dict:
+    return {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.slow
+def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
+    conf = private_conf(tmp_path, {"tiny4": SPACE.replace("n_trials: 2", "n_trials: 3")})
+    proc = subprocess.Popen(_workers(f"sqlite:///{tmp_path / 'shared.db'}", "--folder", str(tmp_path / "submitit"),
+                                     "--", "sweep=tiny4", "sweep.study_name=shared"),
+                            cwd=tmp_path, env=_env(conf), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        job_ids = [line.split()[1].rstrip(":") for line in lines]
+        assert all(line.startswith("worker ") for line in lines), lines
+        os.kill(int(job_ids[0]), signal.SIGKILL)  # the local executor's job id is the job process's pid
+        out = "".join(lines) + proc.communicate(timeout=900)[0]
+    finally:
+        end_orphans(tmp_path)
+    assert proc.returncode == 1, out
+    assert f"worker {job_ids[0]}: failed: UncompletedJobError" in out and f"worker {job_ids[1]}: exit 0" in out, out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slurm", "timeout_min=4"], "--slurm timeout_min=4: a sweep job needs more than 300 s"),
+    (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "sweep.time_budget_s=2000"],
+     "sweep.time_budget_s=2000 does not fit the job: timeout_min=30 leaves at most 1500 s"),
+])
+def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_path):
+    args = args if "--" in args else [*args, "--", "sweep=cpu_demo"]
+    proc = subprocess.run(_workers(f"sqlite:///{tmp_path / 'x.db'}", "--folder", str(tmp_path / "s"), *args),
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "s").exists(), "nothing may be submitted"
+
+
 def test_sweep_workers_refuse_sqlite_on_slurm():
     proc = subprocess.run([sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2",
                            "--storage", "sqlite:///x.db", "--", "sweep=cpu_demo"], capture_output=True, text=True)
     assert proc.returncode == 2 and "workers on several nodes need PostgreSQL storage" in proc.stderr
+
+
+@pytest.mark.parametrize("state, failure_class, optuna_state", [
+    ("TIMEOUT", "timeout", "fail"), ("OUT_OF_MEMORY", "oom", "pruned"), ("NODE_FAIL", "crash", "fail"),
+    ("CANCELLED by 1234", "crash", "fail")])
+def test_a_lost_job_is_classified_by_the_slurm_state_submitit_reports(state, failure_class, optuna_state):
+    from submitit.core.utils import UncompletedJobError
+
+    from moe_vlm_sweep.sweep.trial import outcome_of_lost_job
+
+    exc = UncompletedJobError(f"Job 42 (task: 0) with path /x/42_0_result.pkl\nhas not produced any output "
+                              f"(state: {state})\nError stream produced:\nslurmstepd: error: ...")
+    outcome = outcome_of_lost_job(exc)
+    assert (outcome.failure_class, outcome.state) == (failure_class, optuna_state)
+    assert outcome.reason.startswith("the launcher lost the job: UncompletedJobError: Job 42")
+    assert f"(state: {state})" in outcome.reason

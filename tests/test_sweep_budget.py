@@ -13,19 +13,22 @@ from moe_vlm_sweep.sweep.spec import SweepSpecError, load_spec
 def test_no_budget_always_allows():
     budget = TimeBudget(None)
     budget.saw(1e9)
-    assert budget.allows(100)
+    assert budget.allows() and budget.allows(1e12)
 
 
 def test_the_slowest_trial_decides():
     budget = TimeBudget(100.0)
-    assert budget.allows(10)  # nothing seen yet: the first trial always starts
+    assert budget.allows()  # nothing seen yet: the first trial always starts
     with budget.timing():
         time.sleep(0.05)
     budget.saw(0.01)
     assert 0.05 <= budget.slowest < 1
     budget.saw(40.0)
-    assert budget.allows(2) and not budget.allows(3)
-    assert "3 x the slowest trial so far, 40 s" in budget.why_not("x", 3)
+    assert budget.allows() and budget.allows(99.0) and not budget.allows(101.0)
+    assert budget.why_not("another trial").startswith("another trial would need about 40 s (the slowest trial so far)")
+    budget.saw(120.0)
+    assert not budget.allows()
+    assert "about 30 s (2 short re-runs)" in budget.why_not("confirmation", 30.0, "2 short re-runs")
 
 
 def test_a_non_positive_budget_is_refused():

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import optuna
-import psutil
 import pytest
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.sweep import ledger
-from sweep_testing import FAST_TRAIN, children_by_trial, cli, mlflow_runs, only_study, private_conf, start_cli
+from sweep_testing import (FAST_TRAIN, children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf,
+                           start_cli)
 
 HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
 SMALL_SPACE = HEADER + """
@@ -124,16 +124,6 @@ params:
     assert [children[t.number].info.status for t in trials] == ["FAILED"] * 3 + ["FINISHED"]
 
 
-def _end_orphans(root: Path) -> None:
-    """The killed sweep's training worker runs in its own session; end it (it is this test's process)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(str(root) in arg for arg in proc.info["cmdline"] or []) and proc.pid != os.getpid():
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stale", ["fail", "retry"])
 def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path, stale):
@@ -156,7 +146,7 @@ def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path, stale):
         sweep.send_signal(signal.SIGKILL)
         sweep.wait()
     finally:
-        _end_orphans(tmp_path)
+        end_orphans(tmp_path)
     assert any(t.state == TrialState.RUNNING for t in only_study(tmp_path).get_trials())
     out = cli(command, cwd=tmp_path, conf=conf).stdout
     assert "was left RUNNING by a sweep that is gone" in out
@@ -309,7 +299,15 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     _assert_consistent(study, mlflow_runs(tmp_path), 3)
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
               conf=conf).stdout
-    assert "confirmation: not started, nothing exported: its 3 re-runs would need about" in out, out[-2000:]
-    assert not (tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json").exists()
+    assert ("confirmation: postponed, the best is exported unconfirmed: its 3 re-runs would need about" in out
+            and "(the top 3 trials' own times, 1 re-run(s) each)" in out), out[-2000:]
+    best = tmp_path / "outputs" / "sweeps" / study.study_name / "best"
+    assert (best / "overrides.yaml").exists() and not (best / "confirm.json").exists()
     assert len(only_study(tmp_path).get_trials()) == len(study.get_trials())  # no trial started
     assert sum("fixed_params" in t.system_attrs for t in study.get_trials()) == 1  # queued once, not per resume
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1"], cwd=tmp_path, conf=conf).stdout
+    assert "confirm: re-running the top 3 trial(s) 1 time(s) each" in out and (best / "confirm.json").exists()
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
+              conf=conf).stdout
+    assert "confirmation: postponed, the earlier confirmed export stays" in out, out[-2000:]
+    assert "after confirmation re-runs" in (conf / "experiment" / f"{study.study_name}_best.yaml").read_text()

@@ -27,12 +27,12 @@ from optuna.trial import TrialState
 
 from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.sweep import ledger, progress
-from moe_vlm_sweep.sweep.budget import TimeBudget
+from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.space import Space
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
 from moe_vlm_sweep.sweep.study import exploring, open_study, storage_url, study_name
-from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_run_config, outcome_of_result, outcome_of_value,
-                                       plan_trial, run_overrides)
+from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_run_config, outcome_of_lost_job, outcome_of_result,
+                                       outcome_of_value, plan_trial, run_overrides)
 
 MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
@@ -153,7 +153,10 @@ class SweeperImpl(Sweeper):
             run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags)
             trial.set_user_attr("mlflow_run_id", run_id)
         with ledger.Heartbeat(trial, spec.resume.heartbeat_s):
-            job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
+            try:
+                job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
+            except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job; the study must not
+                return outcome_of_lost_job(exc)
         try:
             value = job.return_value
         except Exception as exc:  # the task raised: the sweep goes on, the trial is a crash
@@ -221,9 +224,8 @@ class SweeperImpl(Sweeper):
         if len(ledger.counted(study.get_trials(deepcopy=False))) < spec.n_trials:
             for point in first:  # skip_if_exists: once per study, across resumes and workers
                 study.enqueue_trial(point, skip_if_exists=True)
-        for trial in study.get_trials(deepcopy=False, states=ledger.FINISHED):
-            if trial.user_attrs.get("run_dir") and trial.datetime_complete and trial.datetime_start:
-                self.budget.saw((trial.datetime_complete - trial.datetime_start).total_seconds())
+        for seconds in filter(None, map(wall_seconds, study.get_trials(deepcopy=False, states=ledger.FINISHED))):
+            self.budget.saw(seconds)
         failures_in_a_row = duplicates_in_a_row = 0
         # Its own seed stream: TPE's random start draws from seed + len(trials), which the explorer must not replay.
         explorer = optuna.samplers.RandomSampler(
@@ -302,8 +304,11 @@ class SweeperImpl(Sweeper):
     def _finish(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED",
                 confirm: bool = False) -> Any:
         """Print the top trials and export them; a sweep that ran to the end first confirms them
-        (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did."""
+        (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did. A confirmation
+        the time budget cannot hold is postponed to the next run of the same command: the best is exported
+        unconfirmed meanwhile, unless an earlier confirmation's export is there."""
         from moe_vlm_sweep.export.best import export, ranked, realism_of
+        from moe_vlm_sweep.export.confirm import CONFIRM_FILE
 
         top = ranked(study)[:spec.top_k]
         realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -311,15 +316,20 @@ class SweeperImpl(Sweeper):
         if self.project and top:
             from moe_vlm_sweep.config.compose import CONF_DIR
 
-            runs = spec.top_k * spec.confirm
-            postponed = confirm and spec.confirm and not self.budget.allows(runs)
+            need = spec.confirm * sum(wall_seconds(t) or self.budget.slowest for t in top)
+            postponed = confirm and spec.confirm and not self.budget.allows(need)
             held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm and not postponed else None
+            exporting = True
             if postponed:
-                print(f"confirmation: not started, nothing exported: {self.budget.why_not(f'its {runs} re-runs', runs)}",
-                      flush=True)
+                exporting = not (sweep_dir / "best" / CONFIRM_FILE).exists()
+                why = self.budget.why_not(f"its {len(top) * spec.confirm} re-runs", need,
+                                          f"the top {len(top)} trials' own times, {spec.confirm} re-run(s) each")
+                kept = "the best is exported unconfirmed" if exporting else "the earlier confirmed export stays"
+                print(f"confirmation: postponed, {kept}: {why}", flush=True)
             elif held is False:
+                exporting = False
                 print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)
-            else:
+            if exporting:
                 exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=spec.top_k, confirmed=held)
                 print(f"best: trial #{exported[0].trial.number}; re-run it with: {exported[0].command}\n"
                       f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)

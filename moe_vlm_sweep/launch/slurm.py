@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 SUBMITIT_TARGET = "hydra_plugins.hydra_submitit_launcher"
+JOB_MARGIN_S = 120
+"""What a job needs beyond ``train.timeout_s``: its Python start, the trial's composition, the worker's teardown."""
 
 
 def is_submitit(hydra_launcher: Mapping[str, Any]) -> bool:
@@ -33,7 +35,8 @@ def job_problems(job: Mapping[str, Any], *, nproc_per_node: int, nnodes: int, ti
         problems.append(f"hydra.launcher.gpus_per_node={gpus} is less than launcher.nproc_per_node="
                         f"{nproc_per_node}: each rank needs its GPU")
     timeout_min = job.get("timeout_min")
-    if timeout_min is not None and timeout_min * 60 <= timeout_s:
-        problems.append(f"hydra.launcher.timeout_min={timeout_min} must exceed train.timeout_s={timeout_s:g} s: "
-                        "a hung run must end as a timeout the sweep records, not be killed by Slurm")
+    if timeout_min is not None and timeout_min * 60 < timeout_s + JOB_MARGIN_S:
+        problems.append(f"hydra.launcher.timeout_min={timeout_min} must exceed train.timeout_s={timeout_s:g} s by "
+                        f"{JOB_MARGIN_S} s: a hung run must end as a timeout the sweep records, not be killed by "
+                        "Slurm")
     return problems

@@ -1,7 +1,8 @@
 """A sweep process's wall-clock budget (``sweep.time_budget_s``): the end of a Slurm allocation or a GPU lease.
 
 A trial killed at the allocation's end is time spent for nothing, so no trial starts that the slowest trial seen
-(the study's finished ones, then this process's) says would overrun the budget; the next run resumes the study.
+(the study's finished ones, then this process's) says would overrun the budget, and no confirmation starts whose
+re-runs, each as long as the trial it repeats, would; the next run resumes the study.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 from typing import Iterator, Optional
+
+from optuna.trial import FrozenTrial
 
 
 class TimeBudget:
@@ -32,11 +35,18 @@ class TimeBudget:
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
-    def allows(self, runs: int = 1) -> bool:
-        """Whether ``runs`` more trials, each as slow as the slowest so far, end within the budget."""
-        return runs * self.slowest <= self.left()
+    def allows(self, seconds: Optional[float] = None) -> bool:
+        """Whether ``seconds`` more (by default one trial as slow as the slowest so far) end within the budget."""
+        return (self.slowest if seconds is None else seconds) <= self.left()
 
-    def why_not(self, what: str, runs: int = 1) -> str:
-        return (f"{what} would need about {runs * self.slowest:.0f} s ({runs} x the slowest trial so far, "
-                f"{self.slowest:.0f} s) and {max(self.left(), 0):.0f} s of sweep.time_budget_s are left; "
-                "the same command resumes the study")
+    def why_not(self, what: str, seconds: Optional[float] = None, basis: Optional[str] = None) -> str:
+        need, basis = (self.slowest, "the slowest trial so far") if seconds is None else (seconds, basis)
+        return (f"{what} would need about {need:.0f} s ({basis}) and {max(self.left(), 0):.0f} s of "
+                "sweep.time_budget_s are left; the same command resumes the study")
+
+
+def wall_seconds(trial: FrozenTrial) -> Optional[float]:
+    """How long a finished, launched trial took in the study's records (None for one never launched)."""
+    if not (trial.user_attrs.get("run_dir") and trial.datetime_start and trial.datetime_complete):
+        return None
+    return (trial.datetime_complete - trial.datetime_start).total_seconds()

@@ -113,6 +113,19 @@ def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:
                    run_dir=result.run_dir)
 
 
+_LOST_JOB_STATES = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}
+
+
+def outcome_of_lost_job(exc: Exception) -> Outcome:
+    """The launcher itself raised: Hydra's submitit launcher re-raises what ``job.results()`` does when the
+    scheduler cancelled, preempted or timed the job out, or its node died. The trial fails with the scheduler's
+    state (submitit names it, e.g. ``state: TIMEOUT``) and the sweep goes on."""
+    text = f"{type(exc).__name__}: {exc}"
+    failure_class = next((c for state, c in _LOST_JOB_STATES.items() if f"state: {state}" in text), "crash")
+    return Outcome(state=_STATE_OF[failure_class], failure_class=failure_class,
+                   reason=f"the launcher lost the job: {text}")
+
+
 def outcome_of_value(value: Any, n_objectives: int) -> Outcome:
     """The generic trial (any Hydra app): the task returns a number, or one per objective."""
     values = list(value) if isinstance(value, (list, tuple)) else [value]
