@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -79,3 +81,30 @@ def test_result_files_are_whole(name, tmp_path):
     result.write(tmp_path)
     assert RunResult.read(tmp_path).status == name
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def _run_processes(tmp_path) -> list[psutil.Process]:
+    """The worker, torchrun and its ranks of a run under tmp_path (their command lines name its run dir)."""
+    return [p for p in psutil.process_iter(["cmdline"])
+            if any(str(tmp_path / "runs") in arg for arg in p.info["cmdline"] or [])]
+
+
+@pytest.mark.parametrize("layout", [[], ["launcher=torchrun", "launcher.nproc_per_node=2"]], ids=["local", "torchrun"])
+def test_a_killed_launcher_leaves_no_worker_behind(layout, tmp_path):
+    """kill -9 of `moe-vlm-sweep run` (or of a sweep) skips every cleanup; the ranks must still end on their own,
+    or they would keep training beside the next trial on the same device."""
+    cmd = [sys.executable, "-m", "moe_vlm_sweep.cli", "run", *LONG, *layout, f"outputs_dir={tmp_path}"]
+    cli = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_run_processes(tmp_path)) < (3 if layout else 1):  # torchrun and its 2 ranks, or the worker
+            assert cli.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        cli.kill()
+        cli.wait()
+        gone, alive = psutil.wait_procs(_run_processes(tmp_path), timeout=30)
+        assert not alive, [p.info["cmdline"] for p in alive]
+        assert "its launcher" in next((tmp_path / "runs").glob("*/worker.log")).read_text()
+    finally:
+        for process in _run_processes(tmp_path):
+            process.kill()

@@ -3,7 +3,8 @@
 The classification reads what the worker wrote (``metrics.json`` or ``failure.json``) and falls back to the
 exit status only when the worker could not write: a signal is a ``crash``, a run past ``train.timeout_s`` is a
 ``timeout``. The worker runs in a new process session, so a timeout kills the whole group (torchrun and every
-rank), never leaving an orphan holding a GPU.
+rank), never leaving an orphan holding a GPU; if this process itself is killed, the ranks see it gone and exit
+(``launch/lifeline.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from moe_vlm_sweep.launch.lifeline import LAUNCHER_ENV, launcher_identity
 from moe_vlm_sweep.launch.result import STATUSES, RunResult
 from moe_vlm_sweep.launch.run_dir import WORKER_LOG
 from moe_vlm_sweep.plan.plan import RunPlan
@@ -80,7 +82,7 @@ def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: 
 def launch(plan: RunPlan, run_dir: Path) -> RunResult:
     """Run the worker for ``plan`` in ``run_dir`` (prepared by ``run_dir.prepare``) and write result.json."""
     timeout_s = plan.run_config.train.timeout_s
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: launcher_identity()}
     start = time.monotonic()
     with open(run_dir / WORKER_LOG, "wb") as log:
         proc = subprocess.Popen(worker_command(plan, run_dir), stdout=log, stderr=subprocess.STDOUT,

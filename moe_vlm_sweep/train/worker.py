@@ -26,6 +26,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from moe_vlm_sweep.launch.lifeline import watch_launcher
 from moe_vlm_sweep.metrics.schema import (
     COMPONENTS,
     FAILURE_FILE,
@@ -278,6 +279,7 @@ def skip_jax() -> None:
 
 
 def main(argv: list[str]) -> int:
+    watch_launcher()
     skip_jax()
     if len(argv) != 2:
         print("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", file=sys.stderr)
