@@ -2,8 +2,8 @@
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
 #   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N | proxy=N | confirm=STUDY | baseline | imports | pack
-#   graphs    TE CUDA-graph scopes against eager on model=small (3D, MBS 16), traced (kernels.txt per run), with
-#             TE's attention-backend log
+#   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
+#             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
 #             the call's time left (CALL_S, default 570 s, less 30 s for pack) as sweep.time_budget_s, so it
 #             stops between trials and confirms only when the re-runs fit
@@ -28,13 +28,16 @@ S="model.text_tokens=1089"  # 1664 decoder tokens, a multiple of 128 (1599 is no
 stop_orphans() { pkill -f "[m]oe_vlm_sweep.train.worker"; sleep 2; }
 for step in "$@"; do
   case "$step" in
-    graphs)  # NVTE_DEBUG: TE logs why it picks each attention backend (worker.log), since graphed layers ran unfused
-      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 330 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
-        --out "$OUT/h200_graphs.json" --common "$C parallel=3d batch.mbs=16 train.trace=true" \
-        --config 3d_mbs16="cuda_graph=none" --config 3d_mbs16_attn="cuda_graph=attn" \
-        --config 3d_mbs16_layer_te="cuda_graph=layer_te $D" --config 3d_mbs16_layer_local="cuda_graph=layer_local $D" \
-        --config 3d_mbs16_s1664="cuda_graph=none $S" --config 3d_mbs16_s1664_attn="cuda_graph=attn $S"
-      grep -h -i "backend\|disabling" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -40
+    graphs)  # every graph scope against eager at 1664 decoder tokens (a multiple of 128, so TE keeps fused attention
+             # under capture on cuDNN <= 9.15), 3D MBS 32; then the 1599-token attn config, which preflight must refuse
+      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 400 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
+        --out "$OUT/h200_graphs.json" --common "$C parallel=3d batch.mbs=32 $S" \
+        --config eager="cuda_graph=none" --config attn="cuda_graph=attn" \
+        --config attn_moe_router="cuda_graph=attn_moe_router" \
+        --config attn_moe_router_preprocess="cuda_graph=attn_moe_router_preprocess" \
+        --config eager_droppad="cuda_graph=none $D" --config layer_te="cuda_graph=layer_te $D" \
+        --config layer_local="cuda_graph=layer_local $D" --config attn_1599="cuda_graph=attn model.text_tokens=1024"
+      grep -h -i "disabling\|Running with .*backend" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -20
       stop_orphans ;;
     sweep=*|proxy=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy
