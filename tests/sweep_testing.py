@@ -65,9 +65,11 @@ def children_by_trial(runs: list) -> dict[int, object]:
 
 
 def end_orphans(root: Path) -> None:
-    """A killed process's training worker runs in its own session; end it (it is this test's process)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(str(root) in arg for arg in proc.info["cmdline"] or []) and proc.pid != os.getpid():
+    """End what a killed process left running under ``root`` (named in its command line, or running in it)."""
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        cmdline = proc.info["cmdline"] or []
+        under = (proc.info["cwd"] or "").startswith(str(root)) or any(str(root) in arg for arg in cmdline)
+        if under and proc.pid != os.getpid():
             try:
                 proc.kill()
             except psutil.NoSuchProcess:

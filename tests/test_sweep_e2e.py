@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
 from optuna.trial import TrialState
 
@@ -124,6 +125,12 @@ params:
     assert [children[t.number].info.status for t in trials] == ["FAILED"] * 3 + ["FINISHED"]
 
 
+def _workers(root: Path) -> list[psutil.Process]:
+    """Training workers started under ``root`` (their run directory is relative to it)."""
+    return [p for p in psutil.process_iter(["cmdline", "cwd"])
+            if p.info["cwd"] == str(root) and "moe_vlm_sweep.train.worker" in " ".join(p.info["cmdline"] or [])]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stale", ["fail", "retry"])
 def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path, stale):
@@ -138,13 +145,14 @@ def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path, stale):
             except (AssertionError, KeyError):  # the study is not created yet
                 trials = []
             if any(t.number >= 1 and t.user_attrs.get("claim") == "launch" and t.state == TrialState.RUNNING
-                   for t in trials):
-                break
-            assert sweep.poll() is None, (tmp_path / "first.log").read_text()
-            time.sleep(0.5)
-        time.sleep(2)  # well inside the trial: its worker is training
+                   for t in trials) and _workers(tmp_path):
+                break  # inside a trial: its worker is running
+            assert sweep.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.2)
+        orphans = _workers(tmp_path)
         sweep.send_signal(signal.SIGKILL)
         sweep.wait()
+        assert not psutil.wait_procs(orphans, timeout=30)[1], "the killed sweep's worker must exit on its own"
     finally:
         end_orphans(tmp_path)
     assert any(t.state == TrialState.RUNNING for t in only_study(tmp_path).get_trials())
