@@ -43,19 +43,26 @@ def parameters(pairs: list[str], workers: int, cluster: str) -> dict:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--slurm {pair!r}: expected key=value (e.g. partition=gpu)")
+        if key == "timeout_min" and not value.isdigit():
+            raise SystemExit(f"--slurm timeout_min={value}: expected whole minutes")
         if key in GENERIC or cluster == "slurm":
             params[key if key in GENERIC else f"slurm_{key}"] = int(value) if value.isdigit() else value
     return params
 
 
 def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
-    """``sweep.time_budget_s`` within the job's limit: the job's limit less MARGIN_S, or the user's if smaller."""
+    """``sweep.time_budget_s`` within the job's limit: the job's limit less MARGIN_S, or the command line's if
+    smaller (a budget set in the space's file is replaced: give it on the command line)."""
     most = timeout_min * 60 - MARGIN_S
     if most <= 0:
         raise SystemExit(f"--slurm timeout_min={timeout_min}: a sweep job needs more than {MARGIN_S} s, "
                          "the margin kept for start-up and the last export")
-    given = [o for o in overrides if o.startswith("sweep.time_budget_s=")]
-    if given and float(given[-1].split("=", 1)[1]) > most:
+    given = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith("sweep.time_budget_s=")]
+    value = given[-1].split("=", 1)[1] if given else ""
+    if given and value.lower() in ("null", "none", ""):
+        raise SystemExit(f"{given[-1]}: a worker needs a budget within the job's limit; leave it out to get "
+                         f"{most} s (timeout_min={timeout_min} less the {MARGIN_S} s margin)")
+    if given and float(value) > most:
         raise SystemExit(f"{given[-1]} does not fit the job: timeout_min={timeout_min} leaves at most {most} s "
                          f"after the {MARGIN_S} s margin")
     return [] if given else [f"sweep.time_budget_s={most}"]
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             code = job.result()
             status = f"exit {code}"
         except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job: report it, go on to the next
-            code, status = None, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            code, status = None, f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         failed = failed or code != 0  # a signal's negative code is a failure too
         print(f"worker {job.job_id}: {status} (log: {job.paths.stdout})", flush=True)
     return 1 if failed else 0

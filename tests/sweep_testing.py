@@ -67,8 +67,8 @@ def children_by_trial(runs: list) -> dict[int, object]:
 def end_orphans(root: Path) -> None:
     """End what a killed process left running under ``root`` (named in its command line, or running in it)."""
     for proc in psutil.process_iter(["cmdline", "cwd"]):
-        cmdline = proc.info["cmdline"] or []
-        under = (proc.info["cwd"] or "").startswith(str(root)) or any(str(root) in arg for arg in cmdline)
+        cmdline, cwd = proc.info["cmdline"] or [], Path(proc.info["cwd"] or "/")
+        under = cwd == root or root in cwd.parents or any(str(root) in arg for arg in cmdline)
         if under and proc.pid != os.getpid():
             try:
                 proc.kill()

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import read_json
 from moe_vlm_sweep.config.compose import compose_run_config
+from moe_vlm_sweep.launch.lifeline import is_alive, start_ticks
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
@@ -108,3 +109,17 @@ def test_a_killed_launcher_leaves_no_worker_behind(layout, tmp_path):
     finally:
         for process in _run_processes(tmp_path):
             process.kill()
+
+
+def test_a_zombie_or_a_reused_pid_is_not_the_launcher():
+    """The identity is pid + kernel start ticks: a pid recycled by a new process, or a zombie, reads as gone."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    identity = f"{child.pid}:{start_ticks(child.pid)}"
+    assert is_alive(identity)
+    assert not is_alive(f"{child.pid}:{int(start_ticks(child.pid)) + 1}")  # same pid, another process
+    deadline = time.monotonic() + 30
+    while start_ticks(child.pid) is not None:  # exited, not reaped yet: a zombie
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert not is_alive(identity) and psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+    child.wait()

@@ -181,4 +181,19 @@ def test_graphed_attention_needs_a_cudnn_that_keeps_it_fused(overrides, cudnn, r
     assert (message is not None) == refused, message
     if refused:
         assert f"cuda_graph={cfg.cuda_graph.scope} graphs decoder attention" in message
-        assert "1599 decoder tokens per CP rank" in message and "set model.text_tokens=1089 (1664 decoder" in message
+        assert "(1599 decoder tokens) and runs unfused attention" in message
+        assert "set model.text_tokens=1089 (1664 decoder tokens)" in message
+    assert graphs_unfuse_attention(cfg, cudnn, flash_attn=True) is None  # TE would take flash-attn instead
+
+
+@pytest.mark.parametrize("text_tokens, suggested", [(705, "961 (1536"), (1089, "1473 (2048"), (1473, None)])
+def test_graphed_attention_under_cp_needs_every_ring_chunk_a_multiple_of_128(text_tokens, suggested):
+    """cp=2: TE checks KV chunks of seq/2 and seq/4, so seq must be a multiple of 512 (1280 and 1664 are not)."""
+    cfg = compose_run_config(["model=small", "hardware=h200", "launcher=torchrun", "launcher.nproc_per_node=2",
+                              "parallel=3d", "parallel.cp=2", "batch.mbs=4", "batch.gbs=8", "recompute=none",
+                              "cuda_graph=attn", f"model.text_tokens={text_tokens}"])
+    message = graphs_unfuse_attention(cfg, 91400, flash_attn=True)
+    assert (message is not None) == (suggested is not None), message
+    if suggested:
+        assert "parallel.cp=2 ring chunks" in message and "the capture fails" in message
+        assert f"set model.text_tokens={suggested} decoder tokens)" in message

@@ -5,13 +5,13 @@ refused before anything is submitted; a sweep's trials run as submitit jobs) and
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -41,12 +41,23 @@ def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     ({"gpus_per_node": 4}, {}, "hydra.launcher.gpus_per_node=4 is less than launcher.nproc_per_node=8"),
     ({"nodes": 2}, {}, "hydra.launcher.nodes=2 must be 1"),
     ({}, {"nnodes": 2}, "launcher.nnodes=2: a run under Slurm is one node's process group"),
-    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by 120 s"),
-    ({"timeout_min": 11}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s by 120 s"),
+    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by at least 120 s"),
+    ({"timeout_min": 11}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s by at least 120 s"),
 ])
 def test_a_job_that_cannot_hold_the_run_is_named(change, launcher, message):
     problems = job_problems({**JOB, **change}, **{"nproc_per_node": 8, "nnodes": 1, **launcher}, timeout_s=600)
     assert len(problems) == 1 and message in problems[0], problems
+
+
+def _scancel(job_id: int) -> None:
+    """What scancel does to a local job: SIGKILL to its controller (the job id is its pid) and every process under
+    it, the trial's worker included."""
+    job = psutil.Process(job_id)
+    for process in [*job.children(recursive=True), job]:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 SPACE = """defaults:
@@ -79,7 +90,7 @@ def test_sweep_trials_run_as_submitit_jobs(tmp_path):
 
 @pytest.mark.slow
 def test_a_job_the_scheduler_kills_fails_its_trial_and_the_sweep_goes_on(tmp_path):
-    """What scancel or a node failure does to a job: its process dies without a result, and submitit's results()
+    """What scancel or a node failure does to a job: its processes die without a result, and submitit's results()
     raises. The trial fails as a crash, in Optuna and MLflow, and the next trial runs."""
     conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
     proc = start_cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local"], cwd=tmp_path, conf=conf, log=log)
@@ -88,7 +99,7 @@ def test_a_job_the_scheduler_kills_fails_its_trial_and_the_sweep_goes_on(tmp_pat
         while not (jobs := list((tmp_path / "outputs" / "multirun").glob("*/.submitit/[0-9]*"))):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        os.kill(int(jobs[0].name), signal.SIGKILL)  # the local executor's job id is the job process's pid
+        _scancel(int(jobs[0].name))
         assert proc.wait(timeout=600) == 0, log.read_text()
     finally:
         end_orphans(tmp_path)
@@ -138,7 +149,7 @@ def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
         lines = [proc.stdout.readline() for _ in range(2)]
         job_ids = [line.split()[1].rstrip(":") for line in lines]
         assert all(line.startswith("worker ") for line in lines), lines
-        os.kill(int(job_ids[0]), signal.SIGKILL)  # the local executor's job id is the job process's pid
+        _scancel(int(job_ids[0]))
         out = "".join(lines) + proc.communicate(timeout=900)[0]
     finally:
         end_orphans(tmp_path)
@@ -150,6 +161,9 @@ def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
     (["--slurm", "timeout_min=4"], "--slurm timeout_min=4: a sweep job needs more than 300 s"),
     (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "sweep.time_budget_s=2000"],
      "sweep.time_budget_s=2000 does not fit the job: timeout_min=30 leaves at most 1500 s"),
+    (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "++sweep.time_budget_s=2000"],
+     "sweep.time_budget_s=2000 does not fit the job"),
+    (["--slurm", "timeout_min=90.5"], "--slurm timeout_min=90.5: expected whole minutes"),
 ])
 def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_path):
     args = args if "--" in args else [*args, "--", "sweep=cpu_demo"]
@@ -171,11 +185,25 @@ def test_sweep_workers_refuse_sqlite_on_slurm():
 def test_a_lost_job_is_classified_by_the_slurm_state_submitit_reports(state, failure_class, optuna_state):
     from submitit.core.utils import UncompletedJobError
 
-    from moe_vlm_sweep.sweep.trial import outcome_of_lost_job
+    from moe_vlm_sweep.sweep.trial import is_refused_submission, outcome_of_lost_job
 
     exc = UncompletedJobError(f"Job 42 (task: 0) with path /x/42_0_result.pkl\nhas not produced any output "
                               f"(state: {state})\nError stream produced:\nslurmstepd: error: ...")
     outcome = outcome_of_lost_job(exc)
     assert (outcome.failure_class, outcome.state) == (failure_class, optuna_state)
+    assert not is_refused_submission(exc)
     assert outcome.reason.startswith("the launcher lost the job: UncompletedJobError: Job 42")
     assert f"(state: {state})" in outcome.reason
+
+
+def test_a_long_error_stream_keeps_the_state_and_a_refused_submission_is_told_apart():
+    from submitit.core.utils import FailedSubmissionError, UncompletedJobError
+
+    from moe_vlm_sweep.sweep.trial import is_refused_submission, outcome_of_lost_job
+
+    exc = UncompletedJobError("Job 7 (task: 0) with path /x\nhas not produced any output (state: TIMEOUT)\n"
+                              "Error stream produced:\n" + "noise\n" * 5000 + "slurmstepd: CANCELLED DUE TO TIME LIMIT")
+    outcome = outcome_of_lost_job(exc)
+    assert outcome.failure_class == "timeout" and len(outcome.reason) < 2000
+    assert "(state: TIMEOUT)" in outcome.reason and outcome.reason.endswith("CANCELLED DUE TO TIME LIMIT")
+    assert is_refused_submission(FailedSubmissionError("sbatch: error: QOSMaxSubmitJobPerUserLimit"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
+import yaml
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.sweep import ledger
@@ -305,17 +307,20 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     cli(["run", "-m", "sweep=small", "sweep.confirm=0"], cwd=tmp_path, conf=conf)
     study = only_study(tmp_path)
     _assert_consistent(study, mlflow_runs(tmp_path), 3)
+    best = tmp_path / "outputs" / "sweeps" / study.study_name / "best"
+    shutil.rmtree(best)  # the confirm=0 run exported; the postponed confirmation must export again
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
               conf=conf).stdout
-    assert ("confirmation: postponed, the best is exported unconfirmed: its 3 re-runs would need about" in out
-            and "(the top 3 trials' own times, 1 re-run(s) each)" in out), out[-2000:]
-    best = tmp_path / "outputs" / "sweeps" / study.study_name / "best"
+    assert ("confirmation: postponed: its 3 re-runs would need about" in out
+            and "(the top 3 trials' own times, 1 re-run(s) each)" in out and " (unconfirmed); re-run it" in out), out
     assert (best / "overrides.yaml").exists() and not (best / "confirm.json").exists()
     assert len(only_study(tmp_path).get_trials()) == len(study.get_trials())  # no trial started
     assert sum("fixed_params" in t.system_attrs for t in study.get_trials()) == 1  # queued once, not per resume
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1"], cwd=tmp_path, conf=conf).stdout
     assert "confirm: re-running the top 3 trial(s) 1 time(s) each" in out and (best / "confirm.json").exists()
+    winner = yaml.safe_load((best / "top.yaml").read_text())[0]
+    assert winner["confirmed"], winner
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
               conf=conf).stdout
-    assert "confirmation: postponed, the earlier confirmed export stays" in out, out[-2000:]
+    assert f"best: trial #{winner['trial']} stays exported (it held in an earlier confirmation)" in out, out[-2000:]
     assert "after confirmation re-runs" in (conf / "experiment" / f"{study.study_name}_best.yaml").read_text()

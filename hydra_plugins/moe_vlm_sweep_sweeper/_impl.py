@@ -31,8 +31,9 @@ from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.space import Space
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
 from moe_vlm_sweep.sweep.study import exploring, open_study, storage_url, study_name
-from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_run_config, outcome_of_lost_job, outcome_of_result,
-                                       outcome_of_value, plan_trial, run_overrides)
+from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_refused_submission, is_run_config,
+                                       outcome_of_lost_job, outcome_of_result, outcome_of_value, plan_trial,
+                                       run_overrides)
 
 MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
@@ -156,6 +157,9 @@ class SweeperImpl(Sweeper):
             try:
                 job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
             except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job; the study must not
+                if is_refused_submission(exc):
+                    self.stop_reason = f"the scheduler refused trial #{trial.number}'s job: {exc}"
+                    return Outcome(state="fail", failure_class="crash", reason=self.stop_reason)
                 return outcome_of_lost_job(exc)
         try:
             value = job.return_value
@@ -305,10 +309,9 @@ class SweeperImpl(Sweeper):
                 confirm: bool = False) -> Any:
         """Print the top trials and export them; a sweep that ran to the end first confirms them
         (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did. A confirmation
-        the time budget cannot hold is postponed to the next run of the same command: the best is exported
-        unconfirmed meanwhile, unless an earlier confirmation's export is there."""
-        from moe_vlm_sweep.export.best import export, ranked, realism_of
-        from moe_vlm_sweep.export.confirm import CONFIRM_FILE
+        the time budget cannot hold is postponed to the next run of the same command, and the best is exported
+        unconfirmed meanwhile; an unconfirmed export never replaces an earlier confirmed one."""
+        from moe_vlm_sweep.export.best import confirmed_export, export, ranked, realism_of
 
         top = ranked(study)[:spec.top_k]
         realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -319,19 +322,20 @@ class SweeperImpl(Sweeper):
             need = spec.confirm * sum(wall_seconds(t) or self.budget.slowest for t in top)
             postponed = confirm and spec.confirm and not self.budget.allows(need)
             held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm and not postponed else None
-            exporting = True
             if postponed:
-                exporting = not (sweep_dir / "best" / CONFIRM_FILE).exists()
                 why = self.budget.why_not(f"its {len(top) * spec.confirm} re-runs", need,
                                           f"the top {len(top)} trials' own times, {spec.confirm} re-run(s) each")
-                kept = "the best is exported unconfirmed" if exporting else "the earlier confirmed export stays"
-                print(f"confirmation: postponed, {kept}: {why}", flush=True)
-            elif held is False:
-                exporting = False
+                print(f"confirmation: postponed: {why}", flush=True)
+            kept = confirmed_export(sweep_dir) if held is None else None
+            if held is False:
                 print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)
-            if exporting:
+            elif kept is not None:
+                print(f"best: trial #{kept} stays exported (it held in an earlier confirmation); this run's "
+                      f"unconfirmed best is #{top[0].number}", flush=True)
+            else:
                 exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=spec.top_k, confirmed=held)
-                print(f"best: trial #{exported[0].trial.number}; re-run it with: {exported[0].command}\n"
+                unconfirmed = " (unconfirmed)" if held is None and spec.confirm else ""
+                print(f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
                       f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)
         if self.tracker is not None:
             if not ledger.in_flight(study.get_trials(deepcopy=False), spec.resume.stale_after_s):

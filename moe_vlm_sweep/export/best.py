@@ -117,3 +117,13 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
                     "confirmed": e.trial is confirmed} for e in exported]
         write_atomic(out / "top.yaml", yaml.safe_dump(summary, sort_keys=False))
     return exported
+
+
+def confirmed_export(sweep_dir: Path) -> Optional[int]:
+    """The trial an earlier export wrote as ``<study>_best`` after it held in confirmation re-runs, if any: an
+    unconfirmed export must not replace it (``best/top.yaml``)."""
+    try:
+        top = yaml.safe_load((sweep_dir / "best" / "top.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return None
+    return top[0]["trial"] if top and top[0].get("confirmed") else None

@@ -1,10 +1,11 @@
 """The worker dies with its launcher: a sweep killed by ``kill -9`` (or a lost Slurm job's task) must not leave a
 worker training on the GPU under the next trial, whose numbers it would quietly corrupt.
 
-The launcher hands its identity (pid and start time, so a reused pid does not count) to the worker in the
-environment; every rank watches it from a daemon thread and exits when it is gone. A kernel parent-death signal
-would reach only the launcher's direct child, not torchrun's ranks, and needs ``preexec_fn``, unsafe with the
-sweep's heartbeat thread.
+The launcher hands its identity (pid and kernel start time in clock ticks, so a reused pid does not count and a
+wall-clock step cannot fake a death) to the worker in the environment; every rank watches it from a daemon thread
+and exits when it is gone. A kernel parent-death signal would reach only the launcher's direct child, not
+torchrun's ranks, and needs ``preexec_fn``, unsafe with the sweep's heartbeat thread. Linux only (``/proc``):
+elsewhere the worker runs unwatched.
 """
 
 from __future__ import annotations
@@ -13,27 +14,34 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
-
-import psutil
 
 LAUNCHER_ENV = "MOE_VLM_SWEEP_LAUNCHER"
 WATCH_S = 1.0
 """How often a rank checks; one syscall a second costs nothing measurable next to a training step."""
 
 
-def launcher_identity(pid: Optional[int] = None) -> str:
-    """``pid:start_time`` of the launching process, for the worker's environment."""
-    process = psutil.Process(pid)
-    return f"{process.pid}:{process.create_time():.2f}"
-
-
-def _alive(identity: str) -> bool:
-    pid, started = identity.split(":")
+def start_ticks(pid: int) -> Optional[str]:
+    """Field 22 of ``/proc/PID/stat`` (start time since boot, in ticks: fixed for the process's life), or None
+    for a process that is gone or a zombie."""
     try:
-        return f"{psutil.Process(int(pid)).create_time():.2f}" == started
-    except psutil.NoSuchProcess:
-        return False
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onward
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def launcher_identity() -> Optional[str]:
+    """``pid:start_ticks`` of this process, for the worker's environment (None without ``/proc``)."""
+    ticks = start_ticks(os.getpid())
+    return None if ticks is None else f"{os.getpid()}:{ticks}"
+
+
+def is_alive(identity: str) -> bool:
+    pid, ticks = identity.split(":")
+    return start_ticks(int(pid)) == ticks
 
 
 def watch_launcher() -> None:
@@ -43,7 +51,7 @@ def watch_launcher() -> None:
         return
 
     def watch() -> None:
-        while _alive(identity):
+        while is_alive(identity):
             time.sleep(WATCH_S)
         print(f"worker: its launcher ({identity}) is gone; exiting so no orphan holds the device",
               file=sys.stderr, flush=True)

@@ -82,7 +82,9 @@ def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: 
 def launch(plan: RunPlan, run_dir: Path) -> RunResult:
     """Run the worker for ``plan`` in ``run_dir`` (prepared by ``run_dir.prepare``) and write result.json."""
     timeout_s = plan.run_config.train.timeout_s
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: launcher_identity()}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if identity := launcher_identity():
+        env[LAUNCHER_ENV] = identity
     start = time.monotonic()
     with open(run_dir / WORKER_LOG, "wb") as log:
         proc = subprocess.Popen(worker_command(plan, run_dir), stdout=log, stderr=subprocess.STDOUT,

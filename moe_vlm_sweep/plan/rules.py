@@ -405,24 +405,31 @@ CUDNN_GRAPHED_ATTENTION_FIX = 91501
 CUDA-graph capture whatever the sequence length (``nvte_get_fused_attn_backend``, TE 2.20)."""
 
 
-def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int) -> Optional[str]:
-    """Not a registered rule: the worker's preflight passes the runtime cuDNN. With cuDNN <= 9.15.0, TE refuses
-    fused attention while a graph is captured unless the (SBHD, non-padding) KV length is a multiple of 128, and
-    silently runs unfused attention: on the H200 0.47-0.63x the eager step and 1.9x its memory
-    (benchmarks/results/h200_graphs_cudnn/), a trap, not a config worth measuring."""
-    g, cp = cfg.cuda_graph, cfg.parallel.cp
+def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> Optional[str]:
+    """Not a registered rule: the worker's preflight passes the runtime cuDNN and whether flash-attn is installed.
+    With cuDNN <= 9.15.0, TE refuses fused attention while a graph is captured unless every (SBHD, non-padding) KV
+    length it checks is a multiple of 128. Without CP it then silently runs unfused attention: on the H200 0.47-0.63x
+    the eager step and 1.9x its memory (benchmarks/results/h200_graphs_cudnn/), a trap, not a config worth
+    measuring; flash-attn, where installed, would take over instead. With CP, TE checks each ring step (KV chunks
+    down to seq / (2 cp)) and has no other backend, so the capture fails."""
+    g, cp, seq = cfg.cuda_graph, cfg.parallel.cp, cfg.model.seq_length
     graphs_attention = g.impl in ("local", "transformer_engine") and (not g.modules or "attn" in g.modules)
-    seq = cfg.model.seq_length
-    if not graphs_attention or not _uses_te(cfg) or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX \
-            or (seq // cp) % 128 == 0:
+    multiple = 128 if cp == 1 else 256 * cp
+    if (not graphs_attention or not _uses_te(cfg) or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX
+            or seq % multiple == 0 or (cp == 1 and flash_attn)):
         return None
-    pad = -seq % (128 * cp)
+    pad = -seq % multiple
     version = f"{cudnn_version // 10000}.{cudnn_version // 100 % 100}.{cudnn_version % 100}"
+    if cp == 1:
+        lengths = f"{seq} decoder tokens"
+        effect = "runs unfused attention instead (about half the eager speed, twice the memory)"
+    else:
+        lengths, effect = (f"parallel.cp={cp} ring chunks of {seq} decoder tokens, down to {seq / (2 * cp):g}",
+                           "has no other attention backend under context parallelism, so the capture fails")
     return (f"cuda_graph={g.scope} graphs decoder attention, but with cuDNN {version} (<= 9.15.0) TE refuses fused "
-            f"attention under graph capture when the KV length ({seq // cp} decoder tokens per CP rank) is not a "
-            f"multiple of 128, and runs unfused attention instead (about half the eager speed, twice the memory): "
-            f"set model.text_tokens={cfg.model.text_tokens + pad} ({seq + pad} decoder tokens), graph no "
-            "attention (cuda_graph=none), or upgrade cuDNN to 9.15.1+")
+            f"attention under graph capture for a KV length that is not a multiple of 128 ({lengths}) and {effect}: "
+            f"set model.text_tokens={cfg.model.text_tokens + pad} ({seq + pad} decoder tokens), graph no attention "
+            "(cuda_graph=none), or upgrade cuDNN to 9.15.1+")
 
 
 # --- memory ------------------------------------------------------------------------------------------------

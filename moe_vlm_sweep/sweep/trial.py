@@ -114,16 +114,26 @@ def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:
 
 
 _LOST_JOB_STATES = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}
+_STREAM_TAIL = 1500
 
 
 def outcome_of_lost_job(exc: Exception) -> Outcome:
     """The launcher itself raised: Hydra's submitit launcher re-raises what ``job.results()`` does when the
     scheduler cancelled, preempted or timed the job out, or its node died. The trial fails with the scheduler's
-    state (submitit names it, e.g. ``state: TIMEOUT``) and the sweep goes on."""
-    text = f"{type(exc).__name__}: {exc}"
-    failure_class = next((c for state, c in _LOST_JOB_STATES.items() if f"state: {state}" in text), "crash")
+    state (submitit names it, e.g. ``state: TIMEOUT``) and the sweep goes on. The reason keeps submitit's header
+    whole and only the end of the job's error stream, so a long log cannot push the state out of it."""
+    head, _, stream = f"{type(exc).__name__}: {exc}".partition("Error stream produced:")
+    failure_class = next((c for state, c in _LOST_JOB_STATES.items() if f"state: {state}" in head), "crash")
+    tail = f"\nerror stream (end): {stream.strip()[-_STREAM_TAIL:]}" if stream.strip() else ""
     return Outcome(state=_STATE_OF[failure_class], failure_class=failure_class,
-                   reason=f"the launcher lost the job: {text}")
+                   reason=f"the launcher lost the job: {head.strip()}{tail}")
+
+
+def is_refused_submission(exc: Exception) -> bool:
+    """sbatch refused the job (QOS or partition limits, a controller timeout): every next trial's job would be
+    refused too, so the sweep stops instead of spending its trials (submitit's ``FailedSubmissionError``, matched
+    by name: the sweep does not depend on submitit)."""
+    return any(cls.__name__ == "FailedSubmissionError" for cls in type(exc).__mro__)
 
 
 def outcome_of_value(value: Any, n_objectives: int) -> Outcome:

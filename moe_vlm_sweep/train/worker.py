@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import os
 import platform
 import resource
@@ -75,7 +76,8 @@ def preflight(plan: RunPlan) -> None:
         from moe_vlm_sweep.plan.rules import graphs_unfuse_attention
 
         major, minor, patch = get_cudnn_version()
-        if message := graphs_unfuse_attention(cfg, major * 10000 + minor * 100 + patch):
+        flash_attn = importlib.util.find_spec("flash_attn") is not None
+        if message := graphs_unfuse_attention(cfg, major * 10000 + minor * 100 + patch, flash_attn):
             problems.append(message)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.layout.world_size:
