@@ -197,3 +197,13 @@ def test_graphed_attention_under_cp_needs_every_ring_chunk_a_multiple_of_128(tex
     if suggested:
         assert "parallel.cp=2 ring chunks" in message and "the capture fails" in message
         assert f"set model.text_tokens={suggested} decoder tokens)" in message
+
+
+def test_check_warns_that_graphed_attention_needs_a_newer_cudnn(capsys):
+    """`check` cannot know the worker's cuDNN, so it says what the preflight will require."""
+    base = ["check", "model=small", "hardware=h200", "cuda_graph=attn", "batch.gbs=32", "batch.mbs=16", "parallel=3d",
+            "recompute=none"]
+    assert main(base) == 0
+    assert "needs cuDNN >= 9.15.1 where it runs" in capsys.readouterr().out
+    assert main([*base, "model.text_tokens=1089"]) == 0
+    assert "needs cuDNN" not in capsys.readouterr().out

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from moe_vlm_sweep.config.schema import RunConfig, from_dict, to_dict
 from moe_vlm_sweep.plan.layout import Layout, layout_of, sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
-from moe_vlm_sweep.plan.rules import ConfigError, broken_rules
+from moe_vlm_sweep.plan.rules import CUDNN_GRAPHED_ATTENTION_FIX, ConfigError, broken_rules, graphs_unfuse_attention
 
 PLAN_VERSION = 1
 
@@ -116,7 +116,9 @@ def describe(plan: RunPlan) -> str:
         *([("memory", f">= {plan.predicted_peak_memory_gib:.1f} GiB per GPU (lower bound, plan/memory.py) of "
                       f"{cfg.hardware.memory_gib} GiB")] if plan.predicted_peak_memory_gib is not None else []),
         ("recompute", cfg.recompute.granularity + (f" {cfg.recompute.modules}" if cfg.recompute.modules else "")),
-        ("cuda_graph", f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})"),
+        ("cuda_graph", f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})" + (
+            "; needs cuDNN >= 9.15.1 where it runs, since the sequence is not a multiple of 128 (the worker's "
+            "preflight checks)" if graphs_unfuse_attention(cfg, CUDNN_GRAPHED_ATTENTION_FIX - 1) else "")),
         ("dispatcher", cfg.dispatcher.name),
         ("vision", cfg.vision.name),
         ("fusions", ", ".join(k for k, v in plan.fusions.items() if v) or "none"),
