@@ -29,14 +29,16 @@ stop_orphans() { pkill -f "[m]oe_vlm_sweep.train.worker"; sleep 2; }
 for step in "$@"; do
   case "$step" in
     graphs)  # every graph scope against eager at 1664 decoder tokens (a multiple of 128, so TE keeps fused attention
-             # under capture on cuDNN <= 9.15), 3D MBS 32; then the 1599-token attn config, which preflight must refuse
-      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 400 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
+             # under capture on cuDNN <= 9.15), 3D MBS 32, after the 1599-token attn config that preflight must refuse;
+             # about 70 s a config: a call of its own
+      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 520 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
         --out "$OUT/h200_graphs.json" --common "$C parallel=3d batch.mbs=32 $S" \
+        --config attn_1599="cuda_graph=attn model.text_tokens=1024" \
         --config eager="cuda_graph=none" --config attn="cuda_graph=attn" \
         --config attn_moe_router="cuda_graph=attn_moe_router" \
         --config attn_moe_router_preprocess="cuda_graph=attn_moe_router_preprocess" \
-        --config eager_droppad="cuda_graph=none $D" --config layer_te="cuda_graph=layer_te $D" \
-        --config layer_local="cuda_graph=layer_local $D" --config attn_1599="cuda_graph=attn model.text_tokens=1024"
+        --config layer_te="cuda_graph=layer_te $D" --config layer_local="cuda_graph=layer_local $D" \
+        --config eager_droppad="cuda_graph=none $D"
       grep -h -i "disabling\|Running with .*backend" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -20
       stop_orphans ;;
     sweep=*|proxy=*)
