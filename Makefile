@@ -5,7 +5,7 @@ PY312 := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12
 	"$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$c"; break; }; done)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup postgres demo test test-fast clean
 
 setup: $(STAMP)
 
@@ -16,11 +16,19 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
 	@touch $@
 
+# The multi-worker test starts its own PostgreSQL server on 127.0.0.1 from these binaries; without them it fails
+# (MOE_VLM_SWEEP_SKIP_POSTGRES=1 skips it, by name). Installed with apt where the machine allows it.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
+	  { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; } || \
+	  echo "note: PostgreSQL binaries are missing and could not be installed here (see tests/test_sweep_e2e.py)"
+
 demo: $(STAMP)
 	$(VENV)/bin/moe-vlm-sweep run -m sweep=cpu_demo
 	@echo "Browse the trials: $(VENV)/bin/moe-vlm-sweep ui   (then open http://127.0.0.1:5000)"
 
-test: $(STAMP)
+test: $(STAMP) postgres
 	$(VENV)/bin/python -m pytest -q -ra
 
 test-fast: $(STAMP)

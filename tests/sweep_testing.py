@@ -64,13 +64,25 @@ def children_by_trial(runs: list) -> dict[int, object]:
             if r.data.tags.get("moe_vlm_sweep.role") == "trial"}
 
 
-def end_orphans(root: Path) -> None:
-    """End what a killed process left running under ``root`` (named in its command line, or running in it)."""
+WORKER = "moe_vlm_sweep.train.worker"
+
+
+def processes_under(root: Path, command: str = "") -> list[psutil.Process]:
+    """Processes running in ``root`` or naming it in their command line, whose command line holds ``command``:
+    with ``WORKER``, a run's worker, torchrun and its ranks (a sweep's run directories are relative to its cwd)."""
+    found = []
     for proc in psutil.process_iter(["cmdline", "cwd"]):
         cmdline, cwd = proc.info["cmdline"] or [], Path(proc.info["cwd"] or "/")
         under = cwd == root or root in cwd.parents or any(str(root) in arg for arg in cmdline)
-        if under and proc.pid != os.getpid():
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
+        if under and command in " ".join(cmdline) and proc.pid != os.getpid():
+            found.append(proc)
+    return found
+
+
+def end_orphans(root: Path) -> None:
+    """End what a killed process left running under ``root``."""
+    for proc in processes_under(root):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -19,6 +19,7 @@ from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.plan.plan import make_plan
+from sweep_testing import WORKER, processes_under
 
 LONG = ["model=tiny", "train.warmup_steps=1", "train.steps=100000", "train.profile_steps=0"]
 
@@ -31,9 +32,7 @@ def _prepared(tmp_path, overrides):
 
 
 def _worker_pids(run_dir) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "moe_vlm_sweep.train.worker" in " ".join(p.info["cmdline"] or []) and str(run_dir) in
-            " ".join(p.info["cmdline"] or [])]
+    return [p.pid for p in processes_under(run_dir, WORKER)]
 
 
 def test_killed_worker_is_a_crash(tmp_path):
@@ -84,12 +83,6 @@ def test_result_files_are_whole(name, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
 
 
-def _run_processes(tmp_path) -> list[psutil.Process]:
-    """The worker, torchrun and its ranks of a run under tmp_path (their command lines name its run dir)."""
-    return [p for p in psutil.process_iter(["cmdline"])
-            if any(str(tmp_path / "runs") in arg for arg in p.info["cmdline"] or [])]
-
-
 @pytest.mark.parametrize("layout", [[], ["launcher=torchrun", "launcher.nproc_per_node=2"]], ids=["local", "torchrun"])
 def test_a_killed_launcher_leaves_no_worker_behind(layout, tmp_path):
     """kill -9 of `moe-vlm-sweep run` (or of a sweep) skips every cleanup; the ranks must still end on their own,
@@ -98,16 +91,16 @@ def test_a_killed_launcher_leaves_no_worker_behind(layout, tmp_path):
     cli = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while len(_run_processes(tmp_path)) < (3 if layout else 1):  # torchrun and its 2 ranks, or the worker
+        while len(processes_under(tmp_path, WORKER)) < (3 if layout else 1):  # torchrun and 2 ranks, or the worker
             assert cli.poll() is None and time.monotonic() < deadline, "the run never started"
             time.sleep(0.2)
         cli.kill()
         cli.wait()
-        gone, alive = psutil.wait_procs(_run_processes(tmp_path), timeout=30)
+        gone, alive = psutil.wait_procs(processes_under(tmp_path, WORKER), timeout=30)
         assert not alive, [p.info["cmdline"] for p in alive]
         assert "its launcher" in next((tmp_path / "runs").glob("*/worker.log")).read_text()
     finally:
-        for process in _run_processes(tmp_path):
+        for process in processes_under(tmp_path, WORKER):
             process.kill()
 
 

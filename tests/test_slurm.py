@@ -117,7 +117,7 @@ def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
     space = SPACE.replace("n_trials: 2", "n_trials: 4") + "  vision: [trainable, frozen]\n"  # 6 configs
     conf = private_conf(tmp_path, {"tiny4": space})
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    proc = subprocess.run(_workers(storage, "--seed", "7", "--slurm", "timeout_min=30", "--folder",
+    proc = subprocess.run(_sweep_workers(storage, "--seed", "7", "--slurm", "timeout_min=30", "--folder",
                                    str(tmp_path / "submitit"), "--", "sweep=tiny4", "sweep.study_name=shared"),
                           cwd=tmp_path, env=_env(conf), text=True, capture_output=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -130,7 +130,7 @@ def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
     assert len({t.user_attrs["worker"] for t in launched}) == 2, "both array tasks should have run trials"
 
 
-def _workers(storage: str, *args: str) -> list[str]:
+def _sweep_workers(storage: str, *args: str) -> list[str]:
     return [sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2", "--storage", storage,
             "--cluster", "local", "--wait", *args]
 
@@ -142,7 +142,7 @@ def _env(conf: Path) -> dict:
 @pytest.mark.slow
 def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
     conf = private_conf(tmp_path, {"tiny4": SPACE.replace("n_trials: 2", "n_trials: 3")})
-    proc = subprocess.Popen(_workers(f"sqlite:///{tmp_path / 'shared.db'}", "--folder", str(tmp_path / "submitit"),
+    proc = subprocess.Popen(_sweep_workers(f"sqlite:///{tmp_path / 'shared.db'}", "--folder", str(tmp_path / "submitit"),
                                      "--", "sweep=tiny4", "sweep.study_name=shared"),
                             cwd=tmp_path, env=_env(conf), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -167,7 +167,7 @@ def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
 ])
 def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_path):
     args = args if "--" in args else [*args, "--", "sweep=cpu_demo"]
-    proc = subprocess.run(_workers(f"sqlite:///{tmp_path / 'x.db'}", "--folder", str(tmp_path / "s"), *args),
+    proc = subprocess.run(_sweep_workers(f"sqlite:///{tmp_path / 'x.db'}", "--folder", str(tmp_path / "s"), *args),
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists(), "nothing may be submitted"

@@ -37,6 +37,6 @@ def job_problems(job: Mapping[str, Any], *, nproc_per_node: int, nnodes: int, ti
     timeout_min = job.get("timeout_min")
     if timeout_min is not None and timeout_min * 60 < timeout_s + JOB_MARGIN_S:
         problems.append(f"hydra.launcher.timeout_min={timeout_min} must exceed train.timeout_s={timeout_s:g} s by "
-                        f"at least {JOB_MARGIN_S} s: a hung run must end as a timeout the sweep records, not be killed by "
-                        "Slurm")
+                        f"at least {JOB_MARGIN_S} s: a hung run must end as a timeout the sweep records, not be "
+                        "killed by Slurm")
     return problems
