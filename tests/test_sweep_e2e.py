@@ -13,7 +13,6 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
-import sqlalchemy.exc
 import yaml
 from optuna.trial import TrialState
 
@@ -137,10 +136,9 @@ def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path, stale):
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            try:
-                trials = only_study(tmp_path).get_trials()
-            except (AssertionError, KeyError, sqlalchemy.exc.OperationalError):  # the sweep is still creating it
-                trials = []
+            # Read the study only once the sweep has made it (its first line): a half-made SQLite store raises.
+            opened = "sweep: study" in (tmp_path / "first.log").read_text()
+            trials = only_study(tmp_path).get_trials() if opened else []
             if any(t.number >= 1 and t.user_attrs.get("claim") == "launch" and t.state == TrialState.RUNNING
                    for t in trials) and processes_under(tmp_path, WORKER):
                 break  # inside a trial: its worker is running
