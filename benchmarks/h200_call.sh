@@ -9,6 +9,7 @@
 #             stops between trials and confirms only when the re-runs fit
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
+#   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
 #   baseline  the baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
@@ -41,6 +42,12 @@ for step in "$@"; do
         --config eager_droppad="cuda_graph=none $D"
       grep -h -i "disabling\|Running with .*backend" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -20
       stop_orphans ;;
+    mbs64)  # the graphs step's best scopes at twice its batch (MBS 32 peaked at 60.5 GiB eager); about 60 s a config
+      timeout 330 python3 benchmarks/compare_configs.py --outputs /tmp/mbs64 --out "$OUT/h200_mbs64.json" \
+        --common "${C/batch.gbs=32/batch.gbs=64} parallel=3d batch.mbs=64 $S" \
+        --config eager="cuda_graph=none" --config attn_moe_router="cuda_graph=attn_moe_router" \
+        --config layer_te="cuda_graph=layer_te $D"
+      stop_orphans ;;
     sweep=*|proxy=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy
       budget=$(( $(left) - 30 ))
@@ -71,7 +78,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
