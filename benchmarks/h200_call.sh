@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...     STEP: graphs | sweep=N | proxy=N | confirm=STUDY | baseline | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | mbs64 | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
 #             the call's time left (CALL_S, default 570 s, less 30 s for pack) as sweep.time_budget_s, so it
 #             stops between trials and confirms only when the re-runs fit
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
+#   s1664=N   the same for h200_small_s1664 (model=small, 1664 decoder tokens, MBS 8-96, GBS 192)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
 #   baseline  the baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
@@ -48,8 +49,8 @@ for step in "$@"; do
         --config eager="cuda_graph=none" --config attn_moe_router="cuda_graph=attn_moe_router" \
         --config layer_te="cuda_graph=layer_te $D"
       stop_orphans ;;
-    sweep=*|proxy=*)
-      space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy
+    sweep=*|proxy=*|s1664=*)
+      space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy; [[ $step == s1664=* ]] && space=h200_small_s1664
       budget=$(( $(left) - 30 ))
       (( budget > 60 )) || { echo "skip $step: ${budget} s left"; continue; }
       timeout $((budget + 20)) python3 -m moe_vlm_sweep.cli run -m "sweep=$space" "sweep.n_trials=${step#*=}" \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 
 import optuna
@@ -57,36 +58,49 @@ def outcomes(study: optuna.Study) -> str:
     return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
 
 
-def baseline_mfu(baseline: str, runs: list[dict]) -> tuple[str, float]:
-    """``FILE:NAME`` (a compare_configs.py row) or ``trial:N`` (a trial of this study, e.g. its first_trials)."""
+def baseline_mfu(baseline: str, runs: list[dict]) -> tuple[str, float, str]:
+    """``FILE:NAME`` (a compare_configs.py row) or ``trial:N`` (a trial of this study, e.g. its first_trials), with
+    when it was measured, since a ratio across machines or calls is not a side-by-side one."""
     if baseline.startswith("trial:"):
         number = baseline.removeprefix("trial:")
         run = next((r for r in runs if r["tags"].get("moe_vlm_sweep.trial") == number), None)
         if run is None or "mfu" not in run["metrics"]:
             raise SystemExit(f"--baseline {baseline}: trial #{number} has no MFU in the study's MLflow runs")
-        return f"trial #{number}", run["metrics"]["mfu"]
+        when = datetime.fromtimestamp(run["start_time"] / 1e3, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        return f"trial #{number}", run["metrics"]["mfu"], when
     path, _, name = baseline.rpartition(":")
-    rows = {r["config"]: r for r in json.loads(Path(path).read_text())["runs"]}
+    document = json.loads(Path(path).read_text())
+    rows = {r["config"]: r for r in document["runs"]}
     if rows.get(name, {}).get("status") != "ok":
         raise SystemExit(f"--baseline {baseline}: no successful row {name!r} in {path}")
-    return f"`{name}`", rows[name]["mfu"]
+    return f"`{name}`", rows[name]["mfu"], str(document.get("date", "?"))
 
 
-def versus_baseline(baseline: tuple[str, float], confirm_file: Path) -> str:
-    """The confirmed winner's re-run median MFU against the baseline's MFU, both measured on one machine."""
+def _run_dir_time(run_dir: str) -> str:
+    """A run folder's name starts with its local start time, YYYYMMDD-HHMMSS (launch/run_dir.py)."""
+    stamp = Path(run_dir).name[:15]
+    return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]}"
+
+
+def versus_baseline(baseline: tuple[str, float, str], confirm_file: Path) -> str:
+    """The confirmed winner's re-run median MFU against the baseline's MFU, each with when it was measured."""
     confirmation = json.loads(confirm_file.read_text())
     if confirmation["objective_metrics"][0] != "mfu":
         raise SystemExit(f"{confirm_file}: the confirmed objective is {confirmation['objective_metrics'][0]}, not mfu")
     winner = next((c for c in confirmation["candidates"] if c["holds"]), None)
     if winner is None:
         return "Confirmation: no candidate held (each had a failed re-run)."
-    (name, base), best = baseline, winner["median_values"][0]
+    (name, base, when), best = baseline, winner["median_values"][0]
+    reran = sorted(_run_dir_time(r["run_dir"]) for r in winner["repeats"] if r.get("run_dir"))
     cvs = ", ".join(f"#{c['trial']} {c['step_time_cv_across_repeats']:.1%}" for c in confirmation["candidates"]
                     if c["step_time_cv_across_repeats"] is not None)
     return "\n".join([
-        "config | MFU (%) | ratio", "--- | --- | ---",
-        f"baseline {name} | {base * 100:.2f} | 1.00",
-        f"trial #{winner['trial']} (median of {len(winner['repeats'])} re-runs) | {best * 100:.2f} | {best / base:.2f}",
+        "config | measured | MFU (%) | ratio", "--- | --- | --- | ---",
+        f"baseline {name} | {when} | {base * 100:.2f} | 1.00",
+        f"trial #{winner['trial']} as swept | | {winner['original_values'][0] * 100:.2f} | "
+        f"{winner['original_values'][0] / base:.2f}",
+        f"trial #{winner['trial']} (median of {len(winner['repeats'])} re-runs) | {reran[0] if reran else '?'} | "
+        f"{best * 100:.2f} | {best / base:.2f}",
         "", f"Step-time CV across each candidate's re-runs (target <= {confirmation['cv_target']:.0%}): {cvs}.",
     ])
 
@@ -114,7 +128,7 @@ def main() -> int:
               f"{study.user_attrs.get('objective_metrics')} ({study.directions[0].name.lower()}); "
               f"data realism {study.user_attrs.get('data_realism')}.", "", table(study, runs, args.top)]
     if args.baseline and args.confirm:
-        report += ["", "Confirmed best against the baseline (both measured on one machine):", "",
+        report += ["", "Confirmed best against the baseline (a ratio is side by side only when both were measured in one call):", "",
                    versus_baseline(baseline_mfu(args.baseline, runs), args.confirm)]
     (args.out_dir / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))

@@ -18,10 +18,11 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 def _measured() -> list[tuple[str, list[str], float]]:
     rows = []
-    for path in sorted(RESULTS.glob("*.json")):
-        for run in json.loads(path.read_text()).get("runs", []):
+    for path in sorted(RESULTS.rglob("*.json")):
+        document = json.loads(path.read_text())
+        for run in document.get("runs", []) if isinstance(document, dict) else []:
             if run.get("status") == "ok" and "hardware=h200" in run["overrides"]:
-                rows.append((f"{path.stem}:{run['config']}", run["overrides"], run["peak_memory_gib"]))
+                rows.append((f"{path.relative_to(RESULTS).with_suffix('')}:{run['config']}", run["overrides"], run["peak_memory_gib"]))
     return rows
 
 
