@@ -32,8 +32,13 @@ def layout_of(cfg: RunConfig) -> Layout:
                   dp=max(world // (p.tp * p.pp * p.cp), 1), edp=max(world // (p.etp * p.ep * p.pp), 1), sp=p.sp)
 
 
-def sharded_seq_length(cfg: RunConfig) -> int:
+def seq_padding_factor(cfg: RunConfig) -> int:
     """LLaVA pads the combined sequence so that SP (tp) and CP (2*cp, load-balanced) can split it evenly."""
     p = cfg.parallel
-    factor = (p.tp if p.sp else 1) * (2 * p.cp if p.cp > 1 else 1)
+    return (p.tp if p.sp else 1) * (2 * p.cp if p.cp > 1 else 1)
+
+
+def sharded_seq_length(cfg: RunConfig) -> int:
+    """The decoder sequence as LLaVA feeds it to the layers: padded to ``seq_padding_factor``."""
+    factor = seq_padding_factor(cfg)
     return -(-cfg.model.seq_length // factor) * factor

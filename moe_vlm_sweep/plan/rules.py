@@ -10,9 +10,11 @@ version) takes it as an argument and is called from there.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 from moe_vlm_sweep.config.schema import RunConfig
+from moe_vlm_sweep.plan.layout import seq_padding_factor, sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
 
 Rule = Callable[[RunConfig], Optional[str]]
@@ -411,24 +413,28 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
     length it checks is a multiple of 128. Without CP it then silently runs unfused attention: on the H200 0.47-0.63x
     the eager step and 1.9x its memory (benchmarks/results/h200_graphs_cudnn/), a trap, not a config worth
     measuring; flash-attn, where installed, would take over instead. With CP, TE checks each ring step (KV chunks
-    down to seq / (2 cp)) and has no other backend, so the capture fails."""
-    g, cp, seq = cfg.cuda_graph, cfg.parallel.cp, cfg.model.seq_length
+    down to seq / (2 cp)) and has no other backend, so the capture fails. The length TE checks is the one LLaVA
+    pads for SP and CP, and the fix it suggests is a text length whose padded sequence is a multiple."""
+    g, cp, seq = cfg.cuda_graph, cfg.parallel.cp, sharded_seq_length(cfg)
     graphs_attention = g.impl in ("local", "transformer_engine") and (not g.modules or "attn" in g.modules)
     multiple = 128 if cp == 1 else 256 * cp
     if (not graphs_attention or not _uses_te(cfg) or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX
             or seq % multiple == 0 or (cp == 1 and flash_attn)):
         return None
-    pad = -seq % multiple
+    step = math.lcm(multiple, seq_padding_factor(cfg))
+    fixed = -(-cfg.model.seq_length // step) * step
     version = f"{cudnn_version // 10000}.{cudnn_version // 100 % 100}.{cudnn_version % 100}"
     if cp == 1:
-        lengths = f"{seq} decoder tokens"
+        lengths = f"{seq} decoder tokens" + (f", {cfg.model.seq_length} padded for SP" if seq != cfg.model.seq_length
+                                              else "")
         effect = "runs unfused attention instead (about half the eager speed, twice the memory)"
     else:
         lengths, effect = (f"parallel.cp={cp} ring chunks of {seq} decoder tokens, down to {seq / (2 * cp):g}",
                            "has no other attention backend under context parallelism, so the capture fails")
     return (f"cuda_graph={g.scope} graphs decoder attention, but with cuDNN {version} (<= 9.15.0) TE refuses fused "
             f"attention under graph capture for a KV length that is not a multiple of 128 ({lengths}) and {effect}: "
-            f"set model.text_tokens={cfg.model.text_tokens + pad} ({seq + pad} decoder tokens), graph no attention "
+            f"set model.text_tokens={cfg.model.text_tokens + fixed - cfg.model.seq_length} ({fixed} decoder tokens), "
+            "graph no attention "
             "(cuda_graph=none), or upgrade cuDNN to 9.15.1+")
 
 
