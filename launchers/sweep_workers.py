@@ -21,6 +21,8 @@ from pathlib import Path
 
 import submitit
 
+from moe_vlm_sweep.config.compose import CompositionError, compose_config
+
 GENERIC = {"timeout_min", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb", "name"}
 """submitit's executor-independent parameters (used by ``--cluster local`` too); any other ``--slurm key=value`` is
 passed as ``slurm_<key>``."""
@@ -50,9 +52,19 @@ def parameters(pairs: list[str], workers: int, cluster: str) -> dict:
     return params
 
 
+def _space_budget(overrides: list[str]) -> float | None:
+    """``sweep.time_budget_s`` as the workers' sweep will compose it from the space's file and the overrides; a
+    typo in them fails here, before any job is queued."""
+    own = [o for o in overrides if not o.lstrip("+").startswith(("hydra.", "hydra/"))]
+    try:
+        return compose_config(own).sweep.time_budget_s
+    except CompositionError as exc:
+        raise SystemExit(f"the sweep's overrides do not compose: {exc}") from None
+
+
 def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
-    """``sweep.time_budget_s`` within the job's limit: the job's limit less MARGIN_S, or the command line's if
-    smaller (a budget set in the space's file is replaced: give it on the command line)."""
+    """``sweep.time_budget_s`` within the job's limit: the job's limit less MARGIN_S, or a smaller budget from the
+    command line or the space's file; a larger one from the command line is refused, from the file capped."""
     most = timeout_min * 60 - MARGIN_S
     if most <= 0:
         raise SystemExit(f"--slurm timeout_min={timeout_min}: a sweep job needs more than {MARGIN_S} s, "
@@ -65,7 +77,13 @@ def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
     if given and float(value) > most:
         raise SystemExit(f"{given[-1]} does not fit the job: timeout_min={timeout_min} leaves at most {most} s "
                          f"after the {MARGIN_S} s margin")
-    return [] if given else [f"sweep.time_budget_s={most}"]
+    budget = _space_budget(overrides)
+    if given or (budget is not None and budget <= most):
+        return []
+    if budget is not None:
+        print(f"the space's sweep.time_budget_s={budget:g} is capped at {most} s, the job's limit "
+              f"(timeout_min={timeout_min}) less the {MARGIN_S} s margin", flush=True)
+    return [f"sweep.time_budget_s={most}"]
 
 
 def main(argv: list[str] | None = None) -> int:

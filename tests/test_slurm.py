@@ -4,6 +4,7 @@ refused before anything is submitted; a sweep's trials run as submitit jobs) and
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -135,6 +136,13 @@ def _sweep_workers(storage: str, *args: str) -> list[str]:
             "--cluster", "local", "--wait", *args]
 
 
+def _sweep_workers_module():
+    spec = importlib.util.spec_from_file_location("sweep_workers", ROOT / "launchers" / "sweep_workers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _env(conf: Path) -> dict:
     return {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
 
@@ -164,6 +172,7 @@ def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
     (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "++sweep.time_budget_s=2000"],
      "sweep.time_budget_s=2000 does not fit the job"),
     (["--slurm", "timeout_min=90.5"], "--slurm timeout_min=90.5: expected whole minutes"),
+    (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "batch.mbz=2"], "the sweep's overrides do not compose"),
 ])
 def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_path):
     args = args if "--" in args else [*args, "--", "sweep=cpu_demo"]
@@ -171,6 +180,18 @@ def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists(), "nothing may be submitted"
+
+
+@pytest.mark.parametrize("space_budget, expected", [
+    (600, None), (5000, "sweep.time_budget_s=1500"), (None, "sweep.time_budget_s=1500")])
+def test_sweep_workers_keep_a_smaller_budget_from_the_space_file(space_budget, expected, tmp_path):
+    """A budget in the space's file stands when it fits the job, and is capped at the job's limit when not."""
+    space = SPACE + (f"time_budget_s: {space_budget}\n" if space_budget else "")
+    conf = private_conf(tmp_path, {"budgeted": space})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("moe_vlm_sweep.config.compose.CONF_DIR", conf)
+        added = _sweep_workers_module().time_budget(["sweep=budgeted"], timeout_min=30)
+    assert added == ([expected] if expected else [])
 
 
 def test_sweep_workers_refuse_sqlite_on_slurm():
