@@ -26,7 +26,7 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert metrics["peak_memory_gib"] > 0
     wall = metrics["wall_s"]
     startup = {f"startup.{phase}" for phase in ("imports", "init", "build", "wrap")}
-    assert set(wall) == startup | {"warmup", "measured", "profile"}
+    assert set(wall) == startup | {"warmup", "measured", "profile", "census"}
     assert all(wall[k] > 0 for k in startup) and wall["measured"] >= sum(metrics["step_time_s"]["steps"])
     assert metrics["graphed_layers"] == 0
     assert metrics["gc_in_measured_steps"] == {"count": 0, "seconds": 0.0}  # train.manual_gc, the default
@@ -37,6 +37,32 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert {"config.yaml", "plan.json", "command.sh", "worker.log", "result.json"} <= {p.name for p in
                                                                                       run_dir.iterdir()}
     assert read_json(run_dir / "result.json")["status"] == "ok"
+
+
+def _census(run_cli, *overrides: str) -> tuple[dict, dict, str]:
+    code, run_dir = run_cli("model=tiny", "train.steps=1", "train.profile_steps=0", *overrides)
+    assert code == 0, (run_dir / "worker.log").read_text()
+    census = read_json(run_dir / "metrics.json")["saved_activations"]
+    layers = sum(v for k, v in census["measured_gib"].items() if k.startswith("decoder.layers."))
+    return {**census["measured_gib"], "decoder.layers": layers}, census["predicted_gib"], (
+        run_dir / "saved_tensors.txt").read_text()
+
+
+def test_the_census_counts_what_autograd_saves_per_part(run_cli):
+    """The census step measures the activations plan/memory.py estimates: the estimate stays below it (the CPU's
+    local attention even saves its softmax), frozen vision saves nothing, full recompute keeps only layer inputs."""
+    measured, predicted, sources = _census(run_cli)
+    parts = [k for k in measured if k not in ("total", "decoder.layers")]
+    assert abs(sum(measured[k] for k in parts) - measured["total"]) < 1e-9
+    for part in ("vision_encoder", "decoder.layers", "decoder.output"):
+        assert predicted[part] <= measured[part], (part, predicted[part], measured[part])
+    assert measured["decoder.layers.attention"] > 0 and measured["decoder.layers.mlp"] > 0
+    assert "cross_entropy.py" in sources and "fused_softmax.py" in sources and "decoder.layers.mlp" in sources
+    frozen, frozen_predicted, _ = _census(run_cli, "vision=frozen_encoder")
+    assert frozen["vision_encoder"] == 0 == frozen_predicted["vision_encoder"]
+    assert frozen["decoder.layers"] == pytest.approx(measured["decoder.layers"], rel=0.15)  # routing differs
+    full, _, _ = _census(run_cli, "recompute=full")
+    assert full["decoder.layers"] < 0.25 * measured["decoder.layers"]
 
 
 def test_without_manual_gc_the_collector_pauses_inside_measured_steps(run_cli):
@@ -85,3 +111,7 @@ def test_two_process_layouts_train(name, run_cli):
     assert layout[expected[0]] == expected[1]
     assert all(v == v and v > 0 for v in metrics["loss"]["values"])
     assert metrics["tokens_per_s_per_gpu"] > 0
+    census = metrics["saved_activations"]  # rank 0's: the first pipeline stage, with every micro-batch in flight
+    assert census["microbatches_in_flight"] == (2 if name == "pp2" else 1)
+    assert census["measured_gib"]["vision_encoder"] > 0 and census["measured_gib"]["decoder.layers.mlp"] > 0
+    assert (census["measured_gib"]["decoder.output"] == 0) == (name == "pp2")  # the loss is on the last stage

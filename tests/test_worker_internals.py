@@ -117,3 +117,20 @@ def test_skip_jax_makes_jax_unimportable_for_te_without_breaking_spec_probes():
             "try:\n    import jax\nexcept ImportError:\n    print('jax skipped')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "jax skipped"
+
+
+def test_a_failed_census_step_leaves_the_run_its_results():
+    """The census runs after every measurement: if a library rejects saved-tensor hooks, the run says why."""
+    from types import SimpleNamespace
+
+    from moe_vlm_sweep.train.loop import Trainer
+
+    def step(microbatches):
+        x = torch.ones(4, requires_grad=True)
+        (x * x).sum()  # saves x under the census
+        raise RuntimeError("saved tensor hooks are not supported here")
+
+    measured, sources = Trainer._census_step(SimpleNamespace(chunks=[], _step=step), [])
+    assert measured is None and sources == ("the census step failed: RuntimeError: saved tensor hooks are not "
+                                            "supported here\n")
+    assert not torch._C._autograd._top_saved_tensors_default_hooks(False), "the hooks must be gone"

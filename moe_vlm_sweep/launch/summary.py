@@ -5,6 +5,10 @@ from __future__ import annotations
 from moe_vlm_sweep.launch.result import RunResult
 
 
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
 def summarize(result: RunResult) -> str:
     if not result.ok:
         return f"FAILED ({result.status}): {result.reason}\n  see {result.run_dir}/worker.log"
@@ -24,6 +28,11 @@ def summarize(result: RunResult) -> str:
         rows.append(("wall", ", ".join(f"{k} {v:.1f} s" for k, v in m["wall_s"].items())))
     if m.get("graphed_layers"):
         rows.append(("cuda graphs", f"{m['graphed_layers']} decoder layers graphed"))
+    census = m.get("saved_activations")
+    if census:
+        rows.append(("activations", f"{_size(census['measured_gib']['total'])} saved for backward, estimate "
+                                    f"{_size(census['predicted_gib']['total'])} ({census['microbatches_in_flight']} "
+                                    "micro-batch(es) in flight; sources in saved_tensors.txt)"))
     split = m.get("component_split")
     if split:
         rows.append(("split", ", ".join(f"{k} {v * 100:.0f}%" for k, v in split["shares"].items())))

@@ -70,6 +70,18 @@ class Loss:
 
 
 @dataclass(kw_only=True)
+class SavedActivations:
+    """What autograd saved for backward in the census step (``train/census.py``) on rank 0, the first pipeline
+    stage, next to what ``plan/memory.py`` predicts for the same micro-batches in flight and precision."""
+
+    measured_gib: dict[str, float]
+    """Part (``train/census.py: CENSUS_PARTS``) -> GiB, and ``total``."""
+    predicted_gib: dict[str, float]
+    """Part (``plan/memory.py: ACTIVATION_PARTS``) -> GiB, and ``total``."""
+    microbatches_in_flight: int
+
+
+@dataclass(kw_only=True)
 class Metrics:
     """``metrics.json``: one successful run."""
 
@@ -125,6 +137,8 @@ class Metrics:
     a graph scope that graphed nothing fails the run instead of being measured as eager."""
     component_split: Optional[ComponentSplit] = None
     """None when train.profile_steps is 0."""
+    saved_activations: Optional[SavedActivations] = None
+    """None without a census step (``train.activation_census=false``, or CUDA graphs)."""
     accounting_notes: list[str] = field(default_factory=list)
     """The simplifications the FLOPs and token accounting still makes, said plainly."""
 
@@ -191,6 +205,8 @@ def read_metrics(run_dir: Path) -> Metrics:
     data["flops_per_step"] = {k: ComponentFlops(**v) for k, v in data["flops_per_step"].items()}
     if data.get("component_split") is not None:
         data["component_split"] = ComponentSplit(**data["component_split"])
+    if data.get("saved_activations") is not None:
+        data["saved_activations"] = SavedActivations(**data["saved_activations"])
     return Metrics(**data)
 
 

@@ -16,7 +16,8 @@ Static memory per rank (megatron-core, bf16, distributed optimizer):
 Activations per micro-batch, saved for backward (bytes per token per layer, bf16, flash attention: no s x s
 term), after Korthikanti et al. 2022 adapted to GQA, SwiGLU experts and top-k routing; divided by TP under
 sequence parallelism and by CP; ``recompute=full`` keeps only each layer's input; frozen modules save none. The
-first pipeline stage holds up to ``pp`` micro-batches in flight (1F1B).
+first pipeline stage holds up to ``pp`` micro-batches in flight (1F1B). Every eager run measures these parts
+(``train/census.py``: ``metrics.json``'s ``saved_activations``), the evidence for what the formula leaves out.
 """
 
 from __future__ import annotations
@@ -67,38 +68,48 @@ def parameter_counts(model: ModelConf) -> Params:
     )
 
 
-def _decoder_layer_bytes_per_token(d: DecoderConf, *, moe: bool) -> float:
-    """Saved activations of one decoder layer per token (bf16)."""
+def _decoder_layer_elements_per_token(d: DecoderConf, *, moe: bool) -> float:
+    """Saved activations of one decoder layer per token, in elements (bf16 on the GPU: 2 bytes each)."""
     h, q, kv = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_query_groups * d.head_dim
-    # input norm in, QKV in, Q K V, attention out (proj in), softmax statistics (fp32 per head)
-    attention = 2 * (h + h + q + 2 * kv + q) + 4 * d.num_attention_heads
+    # input norm in, QKV in, Q K V, attention out (proj in), softmax statistics (fp32 per head: 2 elements)
+    attention = (h + h + q + 2 * kv + q) + 2 * d.num_attention_heads
     if not moe:
-        return attention + 2 * (h + h + 2 * d.ffn_hidden_size + d.ffn_hidden_size)
+        return attention + (h + h + 2 * d.ffn_hidden_size + d.ffn_hidden_size)
     k, f = d.moe_router_topk, d.moe_ffn_hidden_size
     shared = d.moe_shared_expert_intermediate_size or 0
     # norm in, router in, routed copies in (k x h), fc1 out (k x 2f, for SwiGLU's backward), fc2 in (k x f),
     # fc2 out (k x h, for the weighted unpermute), shared experts like a dense SwiGLU MLP
-    return attention + 2 * (h + h + k * h + k * 2 * f + k * f + k * h) + 2 * (2 * shared + shared if shared else 0)
+    return attention + (h + h + k * h + k * 2 * f + k * f + k * h) + (2 * shared + shared if shared else 0)
 
 
-def activation_bytes(cfg: RunConfig, seq_length: int) -> float:
-    """Saved activations of one micro-batch on the first pipeline stage (the one with the most)."""
+ACTIVATION_PARTS = ("vision_encoder", "decoder.layers", "decoder.output")
+"""The parts the activation estimate adds up; ``train/census.py`` measures the same parts (and finer ones)."""
+
+
+def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT_BYTES) -> dict[str, float]:
+    """Bytes saved for backward by one micro-batch on the first pipeline stage (the one with the most), per part
+    of ``ACTIVATION_PARTS``. ``element_bytes`` is 2 (bf16) on the GPU; the loss input is fp32 either way."""
     m, d, p, rc = cfg.model, cfg.model.decoder, cfg.parallel, cfg.recompute
     tokens = cfg.batch.mbs * seq_length / p.cp / (p.tp if p.sp else 1)
     layers = d.num_layers / p.pp
     moe_share = d.num_moe_layers / d.num_layers
-    per_layer = (moe_share * _decoder_layer_bytes_per_token(d, moe=True)
-                 + (1 - moe_share) * _decoder_layer_bytes_per_token(d, moe=False))
+    per_layer = element_bytes * (moe_share * _decoder_layer_elements_per_token(d, moe=True)
+                                 + (1 - moe_share) * _decoder_layer_elements_per_token(d, moe=False))
     if rc.granularity == "full":  # each layer's input, plus one layer recomputed at a time
-        decoder = tokens * (layers * 2 * d.hidden_size + per_layer)
+        decoder = tokens * (layers * element_bytes * d.hidden_size + per_layer)
     else:
         decoder = tokens * layers * per_layer
     logits = tokens * d.vocab_size * 4 / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0  # fp32 loss input
     v = m.vision
     vision_tokens = cfg.batch.mbs * m.images_per_sample * (v.patches_per_image + v.class_token_len)
-    vision = 0.0 if cfg.vision.freeze_encoder else vision_tokens * v.num_layers * 2 * (
+    vision = 0.0 if cfg.vision.freeze_encoder else vision_tokens * v.num_layers * element_bytes * (
         6 * v.hidden_size + 2 * v.ffn_hidden_size)
-    return decoder + logits + vision
+    return {"vision_encoder": vision, "decoder.layers": decoder, "decoder.output": logits}
+
+
+def activation_bytes(cfg: RunConfig, seq_length: int) -> float:
+    """Saved activations of one micro-batch on the first pipeline stage (the one with the most), bf16."""
+    return sum(activation_parts(cfg, seq_length).values())
 
 
 def static_bytes(cfg: RunConfig, dp: int, edp: int) -> float:
@@ -134,6 +145,11 @@ class MemoryEstimate:
 def estimate(cfg: RunConfig) -> MemoryEstimate:
     """The lower-bound peak of the most loaded rank (see the module docstring for what it counts)."""
     layout = layout_of(cfg)
-    in_flight = max(1, min(cfg.parallel.pp, cfg.batch.gbs // (cfg.batch.mbs * layout.dp)))
     return MemoryEstimate(static_gib=static_bytes(cfg, layout.dp, layout.edp) / GIB,
-                          activations_gib=in_flight * activation_bytes(cfg, sharded_seq_length(cfg)) / GIB)
+                          activations_gib=microbatches_in_flight(cfg) * activation_bytes(cfg, sharded_seq_length(cfg))
+                          / GIB)
+
+
+def microbatches_in_flight(cfg: RunConfig) -> int:
+    """Micro-batches whose activations the first pipeline stage holds at once under 1F1B: up to ``pp``."""
+    return max(1, min(cfg.parallel.pp, cfg.batch.gbs // (cfg.batch.mbs * layout_of(cfg).dp)))

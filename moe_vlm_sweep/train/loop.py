@@ -35,6 +35,7 @@ from megatron.core.transformer.module import Float16Module
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
 from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
+from moe_vlm_sweep.train.census import SavedTensorCensus
 from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs, local_graphed_layers, numbered
 
 
@@ -60,6 +61,10 @@ class TrainResult:
     reductions and syncs included: what a run costs beyond its measured steps."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
+    saved_activation_bytes: Optional[dict[str, int]] = None
+    """The census step's count of bytes saved for backward, per part (None without a census step)."""
+    saved_tensor_sources: Optional[str] = None
+    """The census step's largest sources of saved bytes, as a table (``saved_tensors.txt``)."""
 
 
 class _GcPauses:
@@ -260,12 +265,15 @@ class Trainer:
 
     def run(self, on_step: Callable[[int], None] = lambda step: None,
             trace_dir: Optional[Path] = None) -> TrainResult:
-        """Warmup, measured and profile steps; with ``trace_dir``, torch.profiler covers the profile steps."""
+        """Warmup, measured and profile steps, then a census step; with ``trace_dir``, torch.profiler covers the
+        profile steps."""
         t = self.cfg.train
         result = TrainResult()
         for model in self.models:
             model.train()
-        schedule = ["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["profile"] * t.profile_steps
+        census = t.activation_census and self.cfg.cuda_graph.impl == "none"
+        schedule = (["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["profile"] * t.profile_steps
+                    + ["census"] * census)
         clock = _PhaseClock(self.plan.device)
         handles: list = []
         tracing = contextlib.ExitStack()
@@ -294,15 +302,19 @@ class Trainer:
                     clock.mark("other")
                 _sync(self.plan.device)
                 start, pauses.timing = time.perf_counter(), phase == "measured"
-                self._step(microbatches)
+                if phase == "census":
+                    result.saved_activation_bytes, result.saved_tensor_sources = self._census_step(microbatches)
+                else:
+                    self._step(microbatches)
                 _sync(self.plan.device)
                 elapsed, pauses.timing = time.perf_counter() - start, False
                 if phase == "profile":
                     clock.mark("end")
                 if phase == "measured":
                     result.step_times.append(elapsed)
-                self._reduce(step, microbatches, result)
-                result.phases.append(phase)
+                if phase != "census":  # a measurement of memory: its loss would make runs differ in length
+                    self._reduce(step, microbatches, result)
+                    result.phases.append(phase)
                 if self.cfg.cuda_graph.impl == "local" and step == 0:
                     result.graphed_layers = local_graphed_layers(self.models)
                 result.wall_s[phase] = result.wall_s.get(phase, 0.0) + time.perf_counter() - began
@@ -314,6 +326,16 @@ class Trainer:
         if t.profile_steps:
             result.split_seconds = {k: v / t.profile_steps for k, v in clock.seconds().items()}
         return result
+
+    def _census_step(self, microbatches: list[MicroBatch]) -> tuple[Optional[dict[str, int]], str]:
+        """One step under the census. It runs after every measurement, so if a library on some machine rejects
+        saved-tensor hooks, the run keeps its results and says why the census is missing."""
+        try:
+            with SavedTensorCensus(self.chunks) as counted:
+                self._step(microbatches)
+        except Exception as exc:  # noqa: BLE001 -- the census is the run's last, optional measurement
+            return None, f"the census step failed: {type(exc).__name__}: {exc}\n"
+        return counted.bytes, counted.table()
 
     def _start_profiling(self, clock: _PhaseClock) -> list:
         handles = _hook_components(self.chunks, clock)

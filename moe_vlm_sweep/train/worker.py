@@ -35,10 +35,13 @@ from moe_vlm_sweep.metrics.schema import (
     Failure,
     Loss,
     Metrics,
+    SavedActivations,
     StepTimes,
     write_failure,
     write_metrics,
 )
+from moe_vlm_sweep.plan.layout import sharded_seq_length
+from moe_vlm_sweep.plan.memory import GIB, activation_parts, microbatches_in_flight
 from moe_vlm_sweep.plan.plan import RunPlan
 
 
@@ -198,9 +201,24 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
         loss=Loss(values=result.losses, phases=result.phases), wall_s={**(startup_s or {}), **result.wall_s},
         gc_in_measured_steps=result.gc_in_measured_steps, graphed_layers=result.graphed_layers,
-        component_split=split,
+        component_split=split, saved_activations=_saved_activations(plan, result.saved_activation_bytes),
         accounting_notes=list(ACCOUNTING_NOTES),
     )
+
+
+def _saved_activations(plan: RunPlan, measured: Optional[dict[str, int]]) -> Optional[SavedActivations]:
+    """The census next to the estimate's parts, in the run's precision, for the micro-batches in flight."""
+    if measured is None:
+        return None
+    cfg = plan.run_config
+    in_flight = microbatches_in_flight(cfg)
+    element_bytes = 2 if plan.precision == "bf16" else 4
+    predicted = {part: in_flight * value / GIB
+                 for part, value in activation_parts(cfg, sharded_seq_length(cfg), element_bytes).items()}
+    return SavedActivations(measured_gib={**{k: v / GIB for k, v in measured.items()},
+                                          "total": sum(measured.values()) / GIB},
+                            predicted_gib={**predicted, "total": sum(predicted.values())},
+                            microbatches_in_flight=in_flight)
 
 
 def classify(exc: BaseException) -> str:
@@ -261,6 +279,8 @@ def run(run_dir: Path) -> None:
         result = trainer.run(on_step=_note_step, trace_dir=run_dir if cfg.train.trace else None)
     memory = _peak_memory_gib(plan)
     if dist.get_rank() == 0:
+        if result.saved_tensor_sources:
+            (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
         path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, clock.seconds))
         print(f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
               f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
