@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | mbs64 | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | gputests | census | mbs64 | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -10,6 +10,9 @@
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   s1664=N   the same for h200_small_s1664 (model=small, 1664 decoder tokens, MBS 8-96, GBS 192)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
+#   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes train like eager, eager runs a census)
+#   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
+#             saved_activations) next to the memory estimate's parts, to attribute the estimate's 27-30% gap
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
@@ -42,6 +45,15 @@ for step in "$@"; do
         --config layer_te="cuda_graph=layer_te $D" --config layer_local="cuda_graph=layer_local $D" \
         --config eager_droppad="cuda_graph=none $D"
       grep -h -i "disabling\|Running with .*backend" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -20
+      stop_orphans ;;
+    gputests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -15 | tee "$OUT/gputests.txt"
+      stop_orphans ;;
+    census)  # about 60 s a config
+      timeout 200 python3 benchmarks/compare_configs.py --outputs /tmp/census --out "$OUT/h200_census.json" \
+        --common "${C/batch.gbs=32/batch.gbs=64} parallel=3d cuda_graph=none $S" \
+        --config eager_mbs32="batch.mbs=32" --config eager_mbs64="batch.mbs=64"
+      for run in /tmp/census/runs/*/; do cp "$run/saved_tensors.txt" "$OUT/saved_tensors_$(basename "$run").txt"; done
       stop_orphans ;;
     mbs64)  # the graphs step's best scopes at twice its batch (MBS 32 peaked at 60.5 GiB eager); about 60 s a config
       timeout 330 python3 benchmarks/compare_configs.py --outputs /tmp/mbs64 --out "$OUT/h200_mbs64.json" \
@@ -79,7 +91,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
