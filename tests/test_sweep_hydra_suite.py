@@ -23,3 +23,57 @@ def test_discovery():
 ])
 class TestMoeVlmSweeperIntegration(IntegrationTestSuite):
     pass
+
+
+APP = '''
+import hydra
+
+
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
+def main(cfg):
+    return float(cfg.a) + (0.5 if cfg.b == "y" else 0.0)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+CONFIG = '''
+defaults:
+  - override hydra/sweeper: moe_vlm_sweep
+  - _self_
+a: 1
+b: x
+sweep:
+  n_trials: 6
+  sampler: random
+  seed: 3
+  objective: {metric: value, direction: maximize}
+  params:
+    a: [1, 2, 3]
+    b: [x, y]
+'''
+
+
+def test_after_a_repeated_config_the_sweep_walks_one_knob_out_from_the_best(tmp_path):
+    """A generic Hydra app, a random sampler that repeats itself in a 6-config space: each repeat is followed by
+    an untried config one knob from the best, while there is one, and no config runs twice."""
+    import re
+    import subprocess
+    import sys
+
+    (tmp_path / "app.py").write_text(APP)
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    out = subprocess.run([sys.executable, "app.py", "-m"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    lines = re.findall(r"^\[trial \d+/6\] #(\d+) a=(\d) b=(\w)(?: \(one knob from best trial #(\d+)\))? -> (\w+)",
+                       out, re.M)
+    assert len(lines) > 6, out  # the seeded sampler repeats itself
+    configs = {int(number): (a, b) for number, a, b, _, _ in lines}
+    walked = [(a, b, int(best)) for _, a, b, best, _ in lines if best]
+    assert walked, out
+    for a, b, best in walked:
+        best_a, best_b = configs[best]
+        assert (a != best_a) + (b != best_b) == 1, (a, b, configs[best])
+    ran = [(a, b) for _, a, b, _, result in lines if result == "ok"]
+    assert len(ran) == len(set(ran)) == 6

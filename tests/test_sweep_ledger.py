@@ -96,3 +96,30 @@ def test_after_a_duplicate_the_next_proposal_is_drawn_at_random(study):
     assert isinstance(study.sampler, optuna.samplers.GridSampler)  # the study's own sampler is back
     with exploring(study, explorer, now=False):
         assert space.suggest(study.ask()) == {"batch.mbs": 1, "vision": "frozen"}
+
+
+def test_after_a_repeat_the_next_trial_walks_one_knob_out_from_the_best(study):
+    """neighbor_of_best proposes an untried config one knob from the best trial; none once all were tried."""
+    import random
+
+    from moe_vlm_sweep.sweep.space import Space
+    from moe_vlm_sweep.sweep.study import neighbor_of_best
+
+    space = Space.parse({"batch.mbs": [1, 2, 4], "vision": ["trainable", "frozen"]})
+    for mbs, vision, value in ((1, "trainable", 1.0), (2, "trainable", 3.0), (4, "frozen", 2.0)):
+        study.add_trial(optuna.trial.create_trial(
+            params={"batch.mbs": mbs, "vision": vision}, value=value,
+            distributions={"batch.mbs": optuna.distributions.CategoricalDistribution([1, 2, 4]),
+                           "vision": optuna.distributions.CategoricalDistribution(["trainable", "frozen"])}))
+    rng = random.Random(0)
+    proposals = set()
+    for _ in range(20):
+        best, proposal = neighbor_of_best(study, space, rng)
+        assert best == 1
+        proposals.add(tuple(sorted(proposal.items())))
+    # one knob from #1 (mbs 2, trainable), not yet tried: mbs 4 trainable, mbs 2 frozen (mbs 1 trainable was)
+    assert proposals == {(("batch.mbs", 4), ("vision", "trainable")), (("batch.mbs", 2), ("vision", "frozen"))}
+    study.enqueue_trial({"batch.mbs": 4, "vision": "trainable"})  # waiting counts as tried
+    assert neighbor_of_best(study, space, rng) == (1, {"batch.mbs": 2, "vision": "frozen"})
+    study.enqueue_trial({"batch.mbs": 2, "vision": "frozen"})
+    assert neighbor_of_best(study, space, rng) is None  # every neighbor is taken: the explorer draws instead

@@ -96,6 +96,24 @@ FIRST_SPACE = {
 }
 
 
+def test_neighbors_move_one_knob_and_follow_the_conditions():
+    space = Space.parse({
+        "parallel": ["fsdp", "3d"],
+        "parallel.fsdp_sharding": {"type": "categorical", "choices": ["optim_grads_params", "optim_grads"],
+                                   "when": {"parallel": "fsdp"}},
+        "batch.mbs": {"type": "int", "low": 1, "high": 8, "log": True},
+        "parallel.tp": {"type": "int", "low": 1, "high": 4, "when": {"parallel": "3d"}},
+        "train.lr": {"type": "float", "low": 1e-4, "high": 1e-2},
+    })
+    best = {"parallel": "3d", "batch.mbs": 4, "parallel.tp": 1, "train.lr": 1e-3}
+    assert space.neighbors(best) == [
+        {"parallel": "fsdp", "batch.mbs": 4, "train.lr": 1e-3},  # tp dropped, fsdp_sharding left to the sampler
+        {"parallel": "3d", "batch.mbs": 2, "parallel.tp": 1, "train.lr": 1e-3},  # log int: halved and doubled
+        {"parallel": "3d", "batch.mbs": 8, "parallel.tp": 1, "train.lr": 1e-3},
+        {"parallel": "3d", "batch.mbs": 4, "parallel.tp": 2, "train.lr": 1e-3},  # 0 is below low
+    ]  # a continuous float has no neighbor
+
+
 def test_first_trials_are_checked_against_the_space_and_enqueued_as_given():
     space = Space.parse(FIRST_SPACE)
     point = space.point({"parallel": "3d", "parallel.tp": 2, "recompute.modules": ["moe"]}, "sweep.first_trials[0]")

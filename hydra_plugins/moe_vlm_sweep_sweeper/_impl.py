@@ -2,7 +2,7 @@
 
 Per trial (see docs/design.md, "Trial lifecycle"): ask -> sample the space -> compose the trial's config and
 validate it like ``check`` (invalid: told as pruned, never launched) -> claim the config (a duplicate is told
-as failed, never launched) -> open the MLflow child run -> launch through Hydra's launcher -> classify the
+as failed, never launched, and the next trial walks one knob out from the best) -> open the MLflow child run -> launch through Hydra's launcher -> classify the
 RunResult -> tell Optuna -> close the child run -> print the progress line. On start, trials a killed sweep left
 RUNNING are failed (or re-queued once) and MLflow is reconciled with the study.
 
@@ -12,6 +12,7 @@ validation, no MLflow, the task's return value is the objective.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -30,7 +31,7 @@ from moe_vlm_sweep.sweep import ledger, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.space import Space
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
-from moe_vlm_sweep.sweep.study import exploring, open_study, storage_url, study_name
+from moe_vlm_sweep.sweep.study import exploring, neighbor_of_best, open_study, storage_url, study_name
 from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_refused_submission, is_run_config,
                                        outcome_of_lost_job, outcome_of_result, outcome_of_value, plan_trial,
                                        run_overrides)
@@ -232,8 +233,8 @@ class SweeperImpl(Sweeper):
             self.budget.saw(seconds)
         failures_in_a_row = duplicates_in_a_row = 0
         # Its own seed stream: TPE's random start draws from seed + len(trials), which the explorer must not replay.
-        explorer = optuna.samplers.RandomSampler(
-            seed=EXPLORER_SEED_OFFSET + spec.seed + len(study.get_trials(deepcopy=False)))
+        explorer_seed = EXPLORER_SEED_OFFSET + spec.seed + len(study.get_trials(deepcopy=False))
+        explorer, walker = optuna.samplers.RandomSampler(seed=explorer_seed), random.Random(explorer_seed)
         while True:
             trials = study.get_trials(deepcopy=False)
             done = len(ledger.counted(trials))
@@ -259,13 +260,17 @@ class SweeperImpl(Sweeper):
                 outcome = self._run(study, trial, spec, overrides)
             self._tell(study, trial, outcome)
             duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == "duplicate" else 0
+            proposal = duplicates_in_a_row and neighbor_of_best(study, space, walker)
+            if proposal:  # the next ask takes it; the explorer fills in any param it leaves out
+                study.enqueue_trial(proposal[1], user_attrs={"proposed_as": f"one knob from best trial #{proposal[0]}"})
             failures_in_a_row = (failures_in_a_row + 1 if outcome.failure_class in _LAUNCH_FAILURES
                                  else 0 if outcome.ok else failures_in_a_row)
             best = self._best(study)
             print(progress.trial_line(done=len(ledger.counted(study.get_trials(deepcopy=False))),
                                       total=spec.n_trials, number=trial.number, sampled=sampled,
                                       failure_class=outcome.failure_class, values=outcome.values,
-                                      reason=outcome.reason, metric_names=spec.objective.metrics, best=best),
+                                      reason=outcome.reason, metric_names=spec.objective.metrics, best=best,
+                                      proposed_as=trial.user_attrs.get("proposed_as", "")),
                   flush=True)
             if self.stop_reason:
                 self._finish(study, spec, sweep_dir, status="FAILED")

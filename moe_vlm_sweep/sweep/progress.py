@@ -13,8 +13,10 @@ def _fmt(value: float) -> str:
 
 def trial_line(*, done: int, total: int, number: int, sampled: dict[str, Any], failure_class: str,
                values: Optional[Sequence[float]], reason: str, metric_names: Sequence[str],
-               best: Optional[FrozenTrial]) -> str:
+               best: Optional[FrozenTrial], proposed_as: str = "") -> str:
     config = " ".join(f"{k}={v}" for k, v in sampled.items()) or "(no searched knobs)"
+    if proposed_as:
+        config += f" ({proposed_as})"
     if values is not None:
         result = "ok " + " ".join(f"{n}={_fmt(v)}" for n, v in zip(metric_names, values))
     else:

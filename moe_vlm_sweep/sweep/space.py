@@ -87,6 +87,21 @@ class Param:
         return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
 
 
+    def alternatives(self, value: Any) -> list[Any]:
+        """The values one move from ``value``: every other choice; an int's next step either way (doubled or
+        halved on a log scale); none for a continuous float."""
+        if self.kind == "categorical":
+            return [c for c in self.choices if c != value]
+        if self.kind == "float" and self.step is None:
+            return []
+        if self.log:
+            moves = [value // 2, value * 2]
+        else:
+            step = self.step or 1
+            moves = [value - step, value + step]
+        return [v for v in moves if self.low <= v <= self.high and v != value]
+
+
 def _condition(param: str, key: str, raw: Any, earlier: Sequence[str]) -> Condition:
     if key not in earlier:
         raise SweepSpecError(f"sweep.params.{param}.when names {key!r}, which is not a param listed before "
@@ -187,6 +202,22 @@ class Space:
             if all(c.holds(sampled) for c in param.when):
                 sampled[param.key] = param.suggest(trial)
         return sampled
+
+    def neighbors(self, point: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The configs one knob away from ``point``, as a performance engineer walks out from a best config. A param
+        whose condition stops holding is dropped; one whose condition starts to hold is left out, for the sampler
+        to fill in."""
+        found = []
+        for param in self.params:
+            if param.key not in point:
+                continue
+            for value in param.alternatives(point[param.key]):
+                moved, kept = {**point, param.key: value}, {}
+                for p in self.params:
+                    if p.key in moved and all(c.holds(kept) for c in p.when):
+                        kept[p.key] = moved[p.key]
+                found.append(kept)
+        return found
 
     @staticmethod
     def overrides(sampled: Mapping[str, Any]) -> list[str]:

@@ -7,16 +7,19 @@ reaches the same study (that is what makes re-running it a resume) and changing 
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import optuna
 import sqlalchemy.exc
 from optuna.storages import RDBStorage
+from optuna.trial import TrialState
 
-from moe_vlm_sweep.sweep.space import fingerprint
+from moe_vlm_sweep.sweep.ledger import NOT_COUNTED
+from moe_vlm_sweep.sweep.space import Space, fingerprint
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepSpecError
 
 STARTUP_TRIALS = 10
@@ -75,7 +78,7 @@ def exploring(study: optuna.Study, explorer: optuna.samplers.BaseSampler, now: b
 
     After a proposal repeated a measured config, TPE has learnt nothing (a duplicate is told as failed) and tends
     to propose the same config again: the second H200 study drew 29 repeats in 53 proposals. A random draw next
-    spends the GPU on a config not yet seen.
+    spends the GPU on a config not yet seen, or fills in the params an enqueued ``neighbor_of_best`` leaves out.
     """
     if not now:
         yield
@@ -85,6 +88,27 @@ def exploring(study: optuna.Study, explorer: optuna.samplers.BaseSampler, now: b
         yield
     finally:
         study.sampler = own
+
+
+def neighbor_of_best(study: optuna.Study, space: Space, rng: random.Random) -> Optional[tuple[int, dict[str, Any]]]:
+    """After the sampler repeated a measured config: an untried config one knob from the best trial, to enqueue
+    (the best trial's number and the config), or None when every neighbor was tried or there is no single best.
+
+    TPE repeats a config when its model has converged on it; the second H200 study drew 29 repeats in 53
+    proposals, and the proxy study spent every other proposal so. Walking one knob out from the best is how a
+    performance engineer goes on from there, and it keeps the search where the good configs are; a random draw
+    (``exploring``) takes over once the neighbors are used up."""
+    if len(study.directions) != 1:
+        return None
+    try:
+        best = study.best_trial
+    except ValueError:  # nothing completed yet
+        return None
+    tried = [t.system_attrs.get("fixed_params", {}) if t.state == TrialState.WAITING else t.params
+             for t in study.get_trials(deepcopy=False) if t.user_attrs.get("claim") not in NOT_COUNTED]
+    fresh = [n for n in space.neighbors(best.params)
+             if not any(all(key in p and p[key] == value for key, value in n.items()) for p in tried)]
+    return (best.number, rng.choice(fresh)) if fresh else None
 
 
 def open_study(*, name: str, url: str | None, spec: SweepConf) -> optuna.Study:
