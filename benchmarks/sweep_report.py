@@ -79,7 +79,7 @@ def baseline_mfu(baseline: str, runs: list[dict]) -> tuple[str, float, str]:
 def _run_dir_time(run_dir: str) -> str:
     """A run folder's name starts with its local start time, YYYYMMDD-HHMMSS (launch/run_dir.py)."""
     stamp = Path(run_dir).name[:15]
-    return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]}"
+    return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]} (the machine's local time)"
 
 
 def versus_baseline(baseline: tuple[str, float, str], confirm_file: Path) -> str:
@@ -97,7 +97,7 @@ def versus_baseline(baseline: tuple[str, float, str], confirm_file: Path) -> str
     return "\n".join([
         "config | measured | MFU (%) | ratio", "--- | --- | --- | ---",
         f"baseline {name} | {when} | {base * 100:.2f} | 1.00",
-        f"trial #{winner['trial']} as swept | | {winner['original_values'][0] * 100:.2f} | "
+        f"trial #{winner['trial']} as swept | in the study | {winner['original_values'][0] * 100:.2f} | "
         f"{winner['original_values'][0] / base:.2f}",
         f"trial #{winner['trial']} (median of {len(winner['repeats'])} re-runs) | {reran[0] if reran else '?'} | "
         f"{best * 100:.2f} | {best / base:.2f}",

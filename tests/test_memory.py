@@ -60,3 +60,17 @@ def test_sharding_divides_static_memory():
 def test_a_model_that_cannot_fit_is_refused_before_launch():
     with pytest.raises(ConfigError, match=r"needs at least \d+\.\d GiB per GPU .* hardware.memory_gib=141"):
         make_plan(compose_run_config(["model=qwen3_vl_30b_a3b", "hardware=h200"]))
+
+
+@pytest.mark.parametrize("pp, vpp, gbs, expected", [
+    (1, 1, 16, 1), (2, 1, 16, 2), (2, 1, 1, 1),   # 1F1B: up to pp micro-batches, never more than the step has
+    (2, 2, 16, 2.5),                             # interleaved: 2 (pp-1) + (vpp-1) pp + 1 = 5 chunks of half a stage
+    (2, 2, 2, 2),                                # ... capped by the step's 2 micro-batches x 2 chunks
+])
+def test_micro_batches_in_flight_follow_megatrons_schedules(pp, vpp, gbs, expected):
+    from moe_vlm_sweep.plan.memory import microbatches_in_flight
+
+    cfg = compose_run_config(["model=tiny", "parallel=3d", f"parallel.pp={pp}", f"parallel.vpp={vpp}",
+                              "launcher=torchrun", f"launcher.nproc_per_node={pp}", "batch.mbs=1",
+                              f"batch.gbs={gbs}"])
+    assert microbatches_in_flight(cfg) == expected

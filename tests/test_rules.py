@@ -188,8 +188,8 @@ def test_graphed_attention_needs_a_cudnn_that_keeps_it_fused(overrides, cudnn, r
 
 @pytest.mark.parametrize("tp, text_tokens, suggested", [
     (2, 1088, None),                                # 1663 tokens, padded to 1664 for SP: TE sees 13 x 128
-    (2, 1024, "1089 (1664 decoder tokens)"),        # 1599, padded to 1600: not a multiple of 128
-    (3, 1089, "1345 (1920 decoder tokens)"),        # 1664 padded to 1665; 1920 is a multiple of both 3 and 128
+    (2, 1024, "1088 (1664 decoder tokens as padded)"),  # 1599, padded to 1600; 1663 pads to 1664 = 13 x 128
+    (3, 1089, "1343 (1920 decoder tokens as padded)"),  # 1664 pads to 1665; 1918 pads to 1920, 5 x 384
 ])
 def test_graphed_attention_rule_checks_the_length_as_padded_for_sequence_parallelism(tp, text_tokens, suggested):
     cfg = compose_run_config(["model=small", "hardware=h200", "launcher=torchrun", f"launcher.nproc_per_node={tp}",
@@ -201,7 +201,7 @@ def test_graphed_attention_rule_checks_the_length_as_padded_for_sequence_paralle
         assert "padded for SP" in message and f"set model.text_tokens={suggested}" in message
 
 
-@pytest.mark.parametrize("text_tokens, suggested", [(705, "961 (1536"), (1089, "1473 (2048"), (1473, None)])
+@pytest.mark.parametrize("text_tokens, suggested", [(705, "958 (1536"), (1089, "1470 (2048"), (1473, None)])
 def test_graphed_attention_under_cp_needs_every_ring_chunk_a_multiple_of_128(text_tokens, suggested):
     """cp=2: TE checks KV chunks of seq/2 and seq/4, so seq must be a multiple of 512 (1280 and 1664 are not)."""
     cfg = compose_run_config(["model=small", "hardware=h200", "launcher=torchrun", "launcher.nproc_per_node=2",
@@ -211,7 +211,7 @@ def test_graphed_attention_under_cp_needs_every_ring_chunk_a_multiple_of_128(tex
     assert (message is not None) == (suggested is not None), message
     if suggested:
         assert "parallel.cp=2 ring chunks" in message and "the capture fails" in message
-        assert f"set model.text_tokens={suggested} decoder tokens)" in message
+        assert f"set model.text_tokens={suggested} decoder tokens as padded)" in message
 
 
 def test_check_warns_that_graphed_attention_needs_a_newer_cudnn(capsys):

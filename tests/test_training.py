@@ -39,8 +39,11 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert read_json(run_dir / "result.json")["status"] == "ok"
 
 
+_MBS = 2
+
+
 def _census(run_cli, *overrides: str) -> tuple[dict, dict, str]:
-    code, run_dir = run_cli("model=tiny", "train.steps=1", "train.profile_steps=0", *overrides)
+    code, run_dir = run_cli("model=tiny", f"batch.mbs={_MBS}", "train.steps=1", "train.profile_steps=0", *overrides)
     assert code == 0, (run_dir / "worker.log").read_text()
     census = read_json(run_dir / "metrics.json")["saved_activations"]
     layers = sum(v for k, v in census["measured_gib"].items() if k.startswith("decoder.layers."))
@@ -63,6 +66,13 @@ def test_the_census_counts_what_autograd_saves_per_part(run_cli):
     assert frozen["decoder.layers"] == pytest.approx(measured["decoder.layers"], rel=0.15)  # routing differs
     full, _, _ = _census(run_cli, "recompute=full")
     assert full["decoder.layers"] < 0.25 * measured["decoder.layers"]
+    # Four micro-batches a step: without pipelining one is in flight when the first backward begins.
+    four, four_predicted, _ = _census(run_cli, f"batch.gbs={4 * _MBS}")
+    assert four["decoder.layers"] == pytest.approx(measured["decoder.layers"], rel=0.15)
+    assert four_predicted["decoder.layers"] == predicted["decoder.layers"]
+    # Selective recompute of the norms frees their outputs once the next op has saved them: they count 0.
+    norms, _, _ = _census(run_cli, "recompute=selective", "recompute.modules=[layernorm]")
+    assert norms["decoder.layers.other"] < 0.8 * measured["decoder.layers.other"]
 
 
 def test_without_manual_gc_the_collector_pauses_inside_measured_steps(run_cli):

@@ -357,7 +357,7 @@ class TrainConf:
     Megatron-LM's ``--manual-gc``), so no collection pause lands inside a timed step of a host-bound loop.
     ``metrics.json``'s ``gc_in_measured_steps`` says what the collector did inside them."""
     activation_census: bool = True
-    """After the profile steps, one step counts the tensors autograd saves for backward, per part of the model
+    """After the measured steps, one step counts the tensors autograd saves for backward, per part of the model
     (``train/census.py``): ``metrics.json``'s ``saved_activations``, next to the memory estimate's parts. Not with
     CUDA graphs, whose replayed layers save out of the hooks' sight."""
     timeout_s: float = 600.0

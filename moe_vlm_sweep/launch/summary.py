@@ -31,7 +31,7 @@ def summarize(result: RunResult) -> str:
     census = m.get("saved_activations")
     if census:
         rows.append(("activations", f"{_size(census['measured_gib']['total'])} saved for backward, estimate "
-                                    f"{_size(census['predicted_gib']['total'])} ({census['microbatches_in_flight']} "
+                                    f"{_size(census['predicted_gib']['total'])} ({census['microbatches_in_flight']:g} "
                                     "micro-batch(es) in flight; sources in saved_tensors.txt)"))
     split = m.get("component_split")
     if split:

@@ -78,7 +78,8 @@ class SavedActivations:
     """Part (``train/census.py: CENSUS_PARTS``) -> GiB, and ``total``."""
     predicted_gib: dict[str, float]
     """Part (``plan/memory.py: ACTIVATION_PARTS``) -> GiB, and ``total``."""
-    microbatches_in_flight: int
+    microbatches_in_flight: float
+    """Micro-batches' worth of activations the estimate counts on the first stage (``pp``; more with VPP)."""
 
 
 @dataclass(kw_only=True)

@@ -68,18 +68,19 @@ def parameter_counts(model: ModelConf) -> Params:
     )
 
 
-def _decoder_layer_elements_per_token(d: DecoderConf, *, moe: bool) -> float:
-    """Saved activations of one decoder layer per token, in elements (bf16 on the GPU: 2 bytes each)."""
+def _decoder_layer_bytes_per_token(d: DecoderConf, *, moe: bool, element_bytes: int) -> float:
+    """Saved activations of one decoder layer per token (``element_bytes`` 2: bf16 on the GPU)."""
     h, q, kv = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_query_groups * d.head_dim
-    # input norm in, QKV in, Q K V, attention out (proj in), softmax statistics (fp32 per head: 2 elements)
-    attention = (h + h + q + 2 * kv + q) + 2 * d.num_attention_heads
+    # input norm in, QKV in, Q K V, attention out (proj in); softmax statistics are fp32, one per head
+    attention = element_bytes * (h + h + q + 2 * kv + q) + 4 * d.num_attention_heads
     if not moe:
-        return attention + (h + h + 2 * d.ffn_hidden_size + d.ffn_hidden_size)
+        return attention + element_bytes * (h + h + 2 * d.ffn_hidden_size + d.ffn_hidden_size)
     k, f = d.moe_router_topk, d.moe_ffn_hidden_size
     shared = d.moe_shared_expert_intermediate_size or 0
     # norm in, router in, routed copies in (k x h), fc1 out (k x 2f, for SwiGLU's backward), fc2 in (k x f),
     # fc2 out (k x h, for the weighted unpermute), shared experts like a dense SwiGLU MLP
-    return attention + (h + h + k * h + k * 2 * f + k * f + k * h) + (2 * shared + shared if shared else 0)
+    return attention + element_bytes * ((h + h + k * h + k * 2 * f + k * f + k * h)
+                                        + (2 * shared + shared if shared else 0))
 
 
 ACTIVATION_PARTS = ("vision_encoder", "decoder.layers", "decoder.output")
@@ -93,8 +94,8 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
     tokens = cfg.batch.mbs * seq_length / p.cp / (p.tp if p.sp else 1)
     layers = d.num_layers / p.pp
     moe_share = d.num_moe_layers / d.num_layers
-    per_layer = element_bytes * (moe_share * _decoder_layer_elements_per_token(d, moe=True)
-                                 + (1 - moe_share) * _decoder_layer_elements_per_token(d, moe=False))
+    per_layer = (moe_share * _decoder_layer_bytes_per_token(d, moe=True, element_bytes=element_bytes)
+                 + (1 - moe_share) * _decoder_layer_bytes_per_token(d, moe=False, element_bytes=element_bytes))
     if rc.granularity == "full":  # each layer's input, plus one layer recomputed at a time
         decoder = tokens * (layers * element_bytes * d.hidden_size + per_layer)
     else:
@@ -150,6 +151,13 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
                           / GIB)
 
 
-def microbatches_in_flight(cfg: RunConfig) -> int:
-    """Micro-batches whose activations the first pipeline stage holds at once under 1F1B: up to ``pp``."""
-    return max(1, min(cfg.parallel.pp, cfg.batch.gbs // (cfg.batch.mbs * layout_of(cfg).dp)))
+def microbatches_in_flight(cfg: RunConfig) -> float:
+    """Micro-batches' worth of activations the first pipeline stage holds at once under 1F1B: up to ``pp``.
+    Interleaved (VPP), megatron's schedule runs ``2 (pp - 1) + (vpp - 1) pp`` chunk forwards ahead of the first
+    backward, each ``1 / vpp`` of the stage's layers."""
+    p = cfg.parallel
+    microbatches = max(1, cfg.batch.gbs // (cfg.batch.mbs * layout_of(cfg).dp))
+    if p.vpp <= 1:
+        return min(p.pp, microbatches)
+    chunks = min(2 * (p.pp - 1) + (p.vpp - 1) * p.pp + 1, microbatches * p.vpp)
+    return chunks / p.vpp

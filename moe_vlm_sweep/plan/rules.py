@@ -421,8 +421,10 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
     if (not graphs_attention or not _uses_te(cfg) or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX
             or seq % multiple == 0 or (cp == 1 and flash_attn)):
         return None
-    step = math.lcm(multiple, seq_padding_factor(cfg))
-    fixed = -(-cfg.model.seq_length // step) * step
+    factor = seq_padding_factor(cfg)
+    step = math.lcm(multiple, factor)
+    fixed = -(-cfg.model.seq_length // step) * step  # the padded length to reach; padding adds up to factor - 1
+    text_tokens = cfg.model.text_tokens + max(0, fixed - factor + 1 - cfg.model.seq_length)
     version = f"{cudnn_version // 10000}.{cudnn_version // 100 % 100}.{cudnn_version % 100}"
     if cp == 1:
         lengths = f"{seq} decoder tokens" + (f", {cfg.model.seq_length} padded for SP" if seq != cfg.model.seq_length
@@ -433,7 +435,7 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
                            "has no other attention backend under context parallelism, so the capture fails")
     return (f"cuda_graph={g.scope} graphs decoder attention, but with cuDNN {version} (<= 9.15.0) TE refuses fused "
             f"attention under graph capture for a KV length that is not a multiple of 128 ({lengths}) and {effect}: "
-            f"set model.text_tokens={cfg.model.text_tokens + fixed - cfg.model.seq_length} ({fixed} decoder tokens), "
+            f"set model.text_tokens={text_tokens} ({fixed} decoder tokens{' as padded' if factor > 1 else ''}), "
             "graph no attention "
             "(cuda_graph=none), or upgrade cuDNN to 9.15.1+")
 

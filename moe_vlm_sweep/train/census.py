@@ -1,10 +1,12 @@
 """What autograd saves for backward, per part of the model: the activations ``plan/memory.py`` estimates, measured.
 
-A census step runs after the profile steps with ``torch.autograd.graph.saved_tensors_hooks`` on. Every tensor
-saved for backward until the step's first backward begins is counted once per storage (a view, or a tensor two
-nodes save, shares one), parameters excluded, under the part of the model whose forward saved it. Under 1F1B
-that is every micro-batch in flight on this stage: the activations held at the memory peak. Activation
-recompute saves again inside backward, after the count ends, as its memory is transient.
+A census step runs after the measured steps, before the profile steps, with
+``torch.autograd.graph.saved_tensors_hooks`` on. Every tensor saved for backward until the step's first backward
+unpacks one is counted once per storage (a view, or a tensor two nodes save, shares one), at the size the storage
+has then (selective recompute frees some outputs after saving them), parameters and views of them excluded,
+under the part of the model whose forward saved it. Under 1F1B that is every micro-batch in flight on this
+stage: the activations held at the memory peak. Activation recompute saves again inside backward, after the
+count ends, as its memory is transient.
 
 It is a floor: a module that keeps a tensor as a ``ctx`` attribute instead of ``save_for_backward`` escapes the
 hooks, and so do the layers a CUDA graph replays (the worker runs no census with graphs). Temporaries that live
@@ -60,14 +62,15 @@ class SavedTensorCensus:
     def __init__(self, chunks: list[torch.nn.Module]):
         self.chunks = chunks
         self.bytes = {part: 0 for part in CENSUS_PARTS}
-        self._seen: set[int] = set()
+        self.sites: dict[tuple[str, str, str], list] = defaultdict(lambda: [0, 0, ()])
+        """(part, saving source line, dtype) -> [tensors, bytes, largest shape]: where each part's bytes come from
+        (per line, not per shape: each local expert's tokens differ)."""
+        self._saved: dict[int, tuple[torch.Tensor, tuple[str, str, str]]] = {}
+        self._weights: set[int] = set()
         self._stack: list[tuple[int, str]] = []
         self._handles: list = []
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self._counting = True
-        self.sites: dict[tuple[str, str, str], list] = defaultdict(lambda: [0, 0, ()])
-        """(part, saving source line, dtype) -> [tensors, bytes, largest shape]: where each part's bytes come from
-        (per line, not per shape: each local expert's tokens differ)."""
 
     def _part(self) -> str:
         return self._stack[-1][1] if self._stack else "other"
@@ -80,21 +83,33 @@ class SavedTensorCensus:
             pass
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._counting and torch._C._current_graph_task_id() != -1:
-            self._counting = False  # the first backward began: what is saved from now on is recompute
-        if self._counting and not isinstance(tensor, torch.nn.Parameter):
-            try:
-                storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # no storage to count (a wrapper or meta tensor)
-                return tensor
-            if storage.data_ptr() not in self._seen:
-                self._seen.add(storage.data_ptr())
-                self.bytes[self._part()] += storage.nbytes()
-                site = self.sites[(self._part(), _saving_line(), str(tensor.dtype).removeprefix("torch."))]
-                site[0] += 1
-                site[1] += storage.nbytes()
-                site[2] = max(site[2], tuple(tensor.shape), key=math.prod)
+        base = tensor._base if tensor._base is not None else tensor
+        if not self._counting or (base.is_leaf and base.requires_grad):  # a parameter, or a view of one
+            return tensor
+        try:  # keyed by the storage itself: an address is reused once selective recompute frees an output
+            key = tensor.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError, TypeError):  # no plain storage (a wrapper or meta tensor)
+            return tensor
+        if key not in self._saved and key not in self._weights:
+            self._saved[key] = (tensor, (self._part(), _saving_line(), str(tensor.dtype).removeprefix("torch.")))
         return tensor
+
+    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._counting:  # the first backward began: what is saved from now on is recompute, and transient
+            self._counting = False
+            self._tally()
+        return tensor
+
+    def _tally(self) -> None:
+        """Sizes as they are when the first backward begins: a storage megatron freed after saving counts 0."""
+        for tensor, (part, line, dtype) in self._saved.values():
+            nbytes = tensor.untyped_storage().nbytes()
+            self.bytes[part] += nbytes
+            site = self.sites[(part, line, dtype)]
+            site[0] += 1
+            site[1] += nbytes
+            site[2] = max(site[2], tuple(tensor.shape), key=math.prod)
+        self._saved.clear()  # no reference of the census may keep an activation alive
 
     def table(self, rows: int = 80) -> str:
         """The largest sources of saved bytes, for finding what the memory estimate leaves out."""
@@ -106,15 +121,19 @@ class SavedTensorCensus:
 
     def __enter__(self) -> "SavedTensorCensus":
         # Parameters (and the buffers megatron's DDP keeps them in) are weights, not activations.
-        self._seen = {p.untyped_storage().data_ptr() for chunk in self.chunks for p in chunk.parameters()}
-        for chunk in self.chunks:
-            for name, module in _named_parts(chunk):
-                self._handles.append(module.register_forward_pre_hook(
-                    lambda m, a, n=name: self._enter(n, m, a)))
-                self._handles.append(module.register_forward_hook(
-                    lambda m, a, o, n=name: self._leave(n, m, a, o)))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._weights = {p.untyped_storage()._cdata for chunk in self.chunks for p in chunk.parameters()}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        try:
+            for chunk in self.chunks:
+                for name, module in _named_parts(chunk):
+                    self._handles.append(module.register_forward_pre_hook(
+                        lambda m, a, n=name: self._enter(n, m, a)))
+                    self._handles.append(module.register_forward_hook(
+                        lambda m, a, o, n=name: self._leave(n, m, a, o)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -122,4 +141,7 @@ class SavedTensorCensus:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._seen.clear()
+        if self._counting:  # a step without backward (frozen everything) ends the count here
+            self._counting = False
+            self._tally()
+        self._weights.clear()

@@ -265,15 +265,15 @@ class Trainer:
 
     def run(self, on_step: Callable[[int], None] = lambda step: None,
             trace_dir: Optional[Path] = None) -> TrainResult:
-        """Warmup, measured and profile steps, then a census step; with ``trace_dir``, torch.profiler covers the
+        """Warmup and measured steps, a census step, profile steps; with ``trace_dir``, torch.profiler covers the
         profile steps."""
         t = self.cfg.train
         result = TrainResult()
         for model in self.models:
             model.train()
         census = t.activation_census and self.cfg.cuda_graph.impl == "none"
-        schedule = (["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["profile"] * t.profile_steps
-                    + ["census"] * census)
+        schedule = (["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["census"] * census
+                    + ["profile"] * t.profile_steps)  # the census before the profiling hooks, which stay on
         clock = _PhaseClock(self.plan.device)
         handles: list = []
         tracing = contextlib.ExitStack()
@@ -328,12 +328,15 @@ class Trainer:
         return result
 
     def _census_step(self, microbatches: list[MicroBatch]) -> tuple[Optional[dict[str, int]], str]:
-        """One step under the census. It runs after every measurement, so if a library on some machine rejects
-        saved-tensor hooks, the run keeps its results and says why the census is missing."""
+        """One step under the census. It runs after the timed steps, so if a library on some machine rejects
+        saved-tensor hooks, the run keeps its results and says why the census is missing. Running out of memory
+        is the config's, not the census's: it fails the run as any step would."""
         try:
             with SavedTensorCensus(self.chunks) as counted:
                 self._step(microbatches)
-        except Exception as exc:  # noqa: BLE001 -- the census is the run's last, optional measurement
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- the census is an optional measurement
             return None, f"the census step failed: {type(exc).__name__}: {exc}\n"
         return counted.bytes, counted.table()
 
