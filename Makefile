@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
 	@touch $@
 
-# The multi-worker test starts its own PostgreSQL server on 127.0.0.1 from these binaries; without them it fails
-# (MOE_VLM_SWEEP_SKIP_POSTGRES=1 skips it, by name). Installed with apt where the machine allows it.
+# The multi-worker test starts its own PostgreSQL server on 127.0.0.1 from these binaries; without them it fails.
+# Installed with apt where the machine allows it.
 postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
 	  { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get update -qq && \

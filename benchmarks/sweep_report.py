@@ -128,7 +128,8 @@ def main() -> int:
               f"{study.user_attrs.get('objective_metrics')} ({study.directions[0].name.lower()}); "
               f"data realism {study.user_attrs.get('data_realism')}.", "", table(study, runs, args.top)]
     if args.baseline and args.confirm:
-        report += ["", "Confirmed best against the baseline (a ratio is side by side only when both were measured in one call):", "",
+        report += ["", "Confirmed best against the baseline (a ratio is side by side only when both were measured "
+                   "in one call):", "",
                    versus_baseline(baseline_mfu(args.baseline, runs), args.confirm)]
     (args.out_dir / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))

@@ -22,7 +22,8 @@ def _measured() -> list[tuple[str, list[str], float]]:
         document = json.loads(path.read_text())
         for run in document.get("runs", []) if isinstance(document, dict) else []:
             if run.get("status") == "ok" and "hardware=h200" in run["overrides"]:
-                rows.append((f"{path.relative_to(RESULTS).with_suffix('')}:{run['config']}", run["overrides"], run["peak_memory_gib"]))
+                rows.append((f"{path.relative_to(RESULTS).with_suffix('')}:{run['config']}", run["overrides"],
+                             run["peak_memory_gib"]))
     return rows
 
 

@@ -175,11 +175,8 @@ def _postgres_url(tmp_path: Path):
     import tempfile
 
     def unavailable(reason: str):
-        # A missing server fails the test (`make test` installs the binaries); skipping takes an explicit opt-out.
-        if os.environ.get("MOE_VLM_SWEEP_SKIP_POSTGRES") == "1":
-            pytest.skip(f"{reason} (MOE_VLM_SWEEP_SKIP_POSTGRES=1)")
-        pytest.fail(f"{reason}: `make test` installs PostgreSQL where it can (apt, as root); "
-                    "MOE_VLM_SWEEP_SKIP_POSTGRES=1 skips this test")
+        # A missing server fails the test, never skips it: `make test` installs the binaries.
+        pytest.fail(f"{reason}: `make test` installs PostgreSQL where it can (apt, as root)")
 
     found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     if found:

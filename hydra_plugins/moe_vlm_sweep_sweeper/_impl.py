@@ -1,8 +1,8 @@
 """The ask/tell loop: one trial at a time per sweep process, any number of processes per study.
 
-Per trial (see docs/design.md, "Trial lifecycle"): ask -> sample the space -> compose the trial's config and
-validate it like ``check`` (invalid: told as pruned, never launched) -> claim the config (a duplicate is told
-as failed, never launched, and the next trial walks one knob out from the best) -> open the MLflow child run -> launch through Hydra's launcher -> classify the
+Per trial: ask -> sample the space -> compose the trial's config and validate it like ``check`` (invalid: told
+as pruned, never launched) -> claim the config (a duplicate is told as failed, never launched, and the next trial
+walks one knob out from the best) -> open the MLflow child run -> launch through Hydra's launcher -> classify the
 RunResult -> tell Optuna -> close the child run -> print the progress line. On start, trials a killed sweep left
 RUNNING are failed (or re-queued once) and MLflow is reconciled with the study.
 
