@@ -8,7 +8,7 @@
 #             the call's time left (CALL_S, default 570 s, less 30 s for pack) as sweep.time_budget_s, so it
 #             stops between trials and confirms only when the re-runs fit
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
-#   s1664=N   the same for h200_small_s1664 (model=small, 1664 decoder tokens, MBS 8-96, GBS 192)
+#   s1664=N   the same for h200_small_s1664 (model=small, 3D, 1664 decoder tokens, MBS 32-96, GBS 192)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes train like eager, eager runs a census)
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
