@@ -1,7 +1,7 @@
 """Peak GPU memory of one rank, estimated before launch, so a sweep never spends a GPU on a config that cannot fit.
 
 The estimate is a lower bound by design: it counts what a run must hold and leaves out what it may add
-(allocator fragmentation, cuBLAS/cuDNN workspaces, NCCL buffers, CUDA-graph pools, temporary copies). A config
+(allocator fragmentation, cuBLAS/cuDNN workspaces, NCCL buffers, CUDA-graph pools, most temporaries). A config
 is refused only when even the lower bound exceeds the GPU, so the check never rejects a config that fits; the
 rest is caught as ``oom`` at run time. ``tests/test_memory.py`` holds it against every peak measured on the
 H200 (``benchmarks/results/``): never above a measurement, and close to it.
@@ -11,13 +11,17 @@ Static memory per rank (megatron-core, bf16, distributed optimizer):
   master copy, Adam's two moments) sharded over data parallelism. Dense parameters are split by TP and PP, expert
   parameters by EP x ETP and PP; Megatron-FSDP shards gradients (``optim_grads``) and weights
   (``optim_grads_params``) over data parallelism too. The rank holding the most is counted: the first pipeline
-  stage (embedding, vision encoder, projector) or the last (output layer).
+  stage (embedding, vision encoder, projector) or the last (output layer). Frozen modules hold weights only.
 
 Activations per micro-batch, saved for backward (bytes per token per layer, bf16, flash attention: no s x s
-term), after Korthikanti et al. 2022 adapted to GQA, SwiGLU experts and top-k routing; divided by TP under
-sequence parallelism and by CP; ``recompute=full`` keeps only each layer's input; frozen modules save none. The
-first pipeline stage holds up to ``pp`` micro-batches in flight (1F1B). Every eager run measures these parts
-(``train/census.py``: ``metrics.json``'s ``saved_activations``), the evidence for what the formula leaves out.
+term), after Korthikanti et al. 2022 adapted to GQA, SwiGLU experts and top-k routing, and then to what
+megatron-core 0.19 with TE actually saves, source line by source line (the census of the H200 sweep:
+``benchmarks/results/h200_small_s1664/``); divided by TP under sequence parallelism and by CP; selective
+recompute frees its modules' share, ``recompute=full`` keeps only each layer's input; frozen modules save none.
+The first pipeline stage holds up to ``pp`` micro-batches in flight (1F1B). At the peak, the loss's logits or a
+recomputed layer come on top (``transient_bytes``). Every eager run measures the saved parts
+(``train/census.py``: ``metrics.json``'s ``saved_activations``), the evidence ``tests/test_memory.py`` holds the
+formula to.
 """
 
 from __future__ import annotations
@@ -68,75 +72,118 @@ def parameter_counts(model: ModelConf) -> Params:
     )
 
 
-def _decoder_layer_bytes_per_token(d: DecoderConf, *, moe: bool, element_bytes: int) -> float:
-    """Saved activations of one decoder layer per token (``element_bytes`` 2: bf16 on the GPU)."""
-    h, q, kv = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_query_groups * d.head_dim
-    # input norm in, QKV in, Q K V, attention out (proj in); softmax statistics are fp32, one per head
-    attention = element_bytes * (h + h + q + 2 * kv + q) + 4 * d.num_attention_heads
+def _decoder_layer_bytes_per_token(d: DecoderConf, *, moe: bool, element_bytes: int,
+                                   recomputed: frozenset[str] = frozenset()) -> float:
+    """Saved activations of one decoder layer per token, as the census counts them on the H200 (megatron-core
+    0.19, TE; ``benchmarks/results/h200_small_s1664/census.json``); ``recomputed``: selective recompute modules.
+
+    Every SwiGLU keeps five widths of its hidden size: fc1's output (two), silu's output, the copy that
+    ``x_linear + glu_linear_offset`` makes, and the product (fc2's input; for experts the product is weighted by
+    the router's probabilities first, a sixth). ``moe_act`` recompute keeps only fc1's output, ``moe`` only the
+    layer's input, ``layernorm`` frees a norm's output; ``core_attn`` frees only the softmax statistics with
+    fused attention (its checkpoint keeps the whole QKV output alive, more than it frees)."""
+    h, q, kv, e = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_query_groups * d.head_dim, element_bytes
+    norm_out = 0 if "layernorm" in recomputed else h
+    # input norm in and out (QKV in), Q K V, attention out (proj in); softmax statistics are fp32, one per head
+    attention = e * (h + norm_out + q + 2 * kv + q) + (0 if "core_attn" in recomputed else 4 * d.num_attention_heads)
     if not moe:
-        return attention + element_bytes * (h + h + 2 * d.ffn_hidden_size + d.ffn_hidden_size)
-    k, f = d.moe_router_topk, d.moe_ffn_hidden_size
-    shared = d.moe_shared_expert_intermediate_size or 0
-    # norm in, router in, routed copies in (k x h), fc1 out (k x 2f, for SwiGLU's backward), fc2 in (k x f),
-    # fc2 out (k x h, for the weighted unpermute), shared experts like a dense SwiGLU MLP
-    return attention + element_bytes * ((h + h + k * h + k * 2 * f + k * f + k * h)
-                                        + (2 * shared + shared if shared else 0))
+        mlp = 0 if "mlp" in recomputed else 5 * d.ffn_hidden_size
+        return attention + e * (h + norm_out + mlp)
+    if "moe" in recomputed:  # the pre-MLP norm's input, and the checkpoint's: the norm's output
+        return attention + e * 2 * h
+    k, f, shared = d.moe_router_topk, d.moe_ffn_hidden_size, d.moe_shared_expert_intermediate_size or 0
+    experts = k * h + (2 * k * f if "moe_act" in recomputed else 6 * k * f)  # fc1 in (the routed copies) and after
+    return attention + e * (h + norm_out + experts + (0 if "shared_experts" in recomputed else 5 * shared))
 
 
-ACTIVATION_PARTS = ("vision_encoder", "decoder.layers", "decoder.output")
+ACTIVATION_PARTS = ("vision_encoder", "projector", "decoder.layers", "decoder.output")
 """The parts the activation estimate adds up; ``train/census.py`` measures the same parts (and finer ones)."""
 
 
 def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT_BYTES) -> dict[str, float]:
     """Bytes saved for backward by one micro-batch on the first pipeline stage (the one with the most), per part
-    of ``ACTIVATION_PARTS``. ``element_bytes`` is 2 (bf16) on the GPU; the loss input is fp32 either way."""
+    of ``ACTIVATION_PARTS``: what the census counts. ``element_bytes`` is 2 (bf16) on the GPU; the loss input is
+    fp32 either way. Under full recompute the layers keep only their inputs (``transient_bytes`` adds the layer
+    being recomputed)."""
     m, d, p, rc = cfg.model, cfg.model.decoder, cfg.parallel, cfg.recompute
-    tokens = cfg.batch.mbs * seq_length / p.cp / (p.tp if p.sp else 1)
+    tokens = _decoder_tokens(cfg, seq_length)
     layers = d.num_layers / p.pp
-    moe_share = d.num_moe_layers / d.num_layers
-    per_layer = (moe_share * _decoder_layer_bytes_per_token(d, moe=True, element_bytes=element_bytes)
-                 + (1 - moe_share) * _decoder_layer_bytes_per_token(d, moe=False, element_bytes=element_bytes))
-    if rc.granularity == "full":  # each layer's input, plus one layer recomputed at a time
-        decoder = tokens * (layers * element_bytes * d.hidden_size + per_layer)
+    if rc.granularity == "full":
+        decoder = tokens * layers * element_bytes * d.hidden_size
     else:
-        decoder = tokens * layers * per_layer
-    logits = tokens * d.vocab_size * 4 / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0  # fp32 loss input
-    v = m.vision
-    vision_tokens = cfg.batch.mbs * m.images_per_sample * (v.patches_per_image + v.class_token_len)
-    vision = 0.0 if cfg.vision.freeze_encoder else vision_tokens * v.num_layers * element_bytes * (
-        6 * v.hidden_size + 2 * v.ffn_hidden_size)
-    return {"vision_encoder": vision, "decoder.layers": decoder, "decoder.output": logits}
+        recomputed = frozenset(rc.modules or ["core_attn"]) if rc.granularity == "selective" else frozenset()
+        moe_share = d.num_moe_layers / d.num_layers
+        decoder = tokens * layers * sum(
+            share * _decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes, recomputed=recomputed)
+            for moe, share in ((True, moe_share), (False, 1 - moe_share)))
+    # the output layer's input and the fp32 logits the loss keeps (vocab-parallel: the whole sequence, V / TP)
+    logits = tokens * (element_bytes * d.hidden_size + d.vocab_size * 4 / (p.tp if not p.sp else 1)) \
+        if p.pp == 1 else 0.0
+    v, pr = m.vision, m.projector
+    images = cfg.batch.mbs * m.images_per_sample
+    # per layer: both norms' inputs and outputs, Q K V, attention out, the MLP's hidden twice (GELU in and out)
+    vision = 0.0 if cfg.vision.freeze_encoder else images * (v.patches_per_image + v.class_token_len) * (
+        v.num_layers * element_bytes * (8 * v.hidden_size + 2 * v.ffn_hidden_size))
+    # the merged patches in, the hidden twice (GELU in and out)
+    hidden = 2 * (pr.ffn_hidden_size or d.hidden_size) if pr.kind == "mlp" else 0
+    projector = 0.0 if cfg.vision.freeze_projector else images * v.patches_per_image / v.spatial_merge**2 * (
+        element_bytes * (v.hidden_size * v.spatial_merge**2 + hidden))
+    return {"vision_encoder": vision, "projector": projector, "decoder.layers": decoder, "decoder.output": logits}
 
 
-def activation_bytes(cfg: RunConfig, seq_length: int) -> float:
-    """Saved activations of one micro-batch on the first pipeline stage (the one with the most), bf16."""
-    return sum(activation_parts(cfg, seq_length).values())
+def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT_BYTES) -> float:
+    """What the peak holds on top of the saved activations, at its moment: at the loss, the logits in the model's
+    precision, and with fused cross-entropy an fp32 working copy next to them (the H200's MBS 96 trials failed
+    allocating exactly that, 19.5 GiB; with the fusion off the peak is that much lower); under full recompute, one
+    layer's activations rebuilt during backward. The larger of the two. Left out under CUDA graphs: their runs
+    peak 4-6 GiB below eager at MBS 32-64 (``h200_scopes_s1664/``), not yet attributed (no census under graphs)."""
+    if cfg.cuda_graph.impl != "none":
+        return 0.0
+    d, p = cfg.model.decoder, cfg.parallel
+    tokens = _decoder_tokens(cfg, seq_length)
+    fused = cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")["cross_entropy"]
+    loss = tokens * d.vocab_size * (element_bytes + 4 * fused) / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0
+    layer = 0.0
+    if cfg.recompute.granularity == "full":
+        layer = tokens * max(_decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes)
+                             for moe in {d.num_moe_layers > 0, d.num_moe_layers < d.num_layers})
+    return max(loss, layer)
+
+
+def _decoder_tokens(cfg: RunConfig, seq_length: int) -> float:
+    """Decoder tokens of one micro-batch on one rank: split by CP, and by TP under sequence parallelism."""
+    p = cfg.parallel
+    return cfg.batch.mbs * seq_length / p.cp / (p.tp if p.sp else 1)
 
 
 def static_bytes(cfg: RunConfig, dp: int, edp: int) -> float:
-    """Weights, main gradients and optimizer states on the rank that holds the most."""
-    p, n = cfg.parallel, parameter_counts(cfg.model)
+    """Weights, main gradients and optimizer states on the rank that holds the most; frozen modules (vision)
+    hold weights only. Megatron-FSDP's ``optim_grads_params`` keeps no lasting bf16 copy of what it trains: at
+    DP 1 it peaks 1.4 GiB (the bf16 weights of model=small) below 3D (``h200_small_knobs.json``)."""
+    p, n, v = cfg.parallel, parameter_counts(cfg.model), cfg.vision
+    frozen = (n.vision if v.freeze_encoder else 0) + (n.projector if v.freeze_projector else 0)
     body = n.decoder_dense / (p.tp * p.pp)
-    first = body + (n.embedding + n.vision + n.projector) / p.tp
-    last = body + n.output_layer / p.tp
-    dense = max(first, last) if p.pp > 1 else body + (n.embedding + n.output_layer + n.vision + n.projector) / p.tp
-    experts = n.experts / (p.ep * p.etp * p.pp)
+    vision = (n.vision + n.projector - frozen) / p.tp
     fsdp = p.strategy == "fsdp"
     shard_weights = fsdp and p.fsdp_sharding == "optim_grads_params"
     shard_grads = fsdp and p.fsdp_sharding in ("optim_grads", "optim_grads_params")
 
-    def per_rank(count: float, replicas: int) -> float:
-        return count * (WEIGHT_BYTES / (replicas if shard_weights else 1)
-                        + GRAD_BYTES / (replicas if shard_grads else 1) + OPTIMIZER_BYTES / replicas)
+    def per_rank(count: float, replicas: int, trained: bool = True) -> float:
+        # sharded parameters are gathered module by module and freed: their lasting copy is the fp32 master
+        weights = 0.0 if shard_weights and trained else count * WEIGHT_BYTES
+        return weights + trained * count * (GRAD_BYTES / (replicas if shard_grads else 1) + OPTIMIZER_BYTES / replicas)
 
-    return per_rank(dense, dp) + per_rank(experts, edp)
+    first = per_rank(body + (n.embedding / p.tp + vision), dp) + per_rank(frozen / p.tp, dp, trained=False)
+    last = per_rank(body + n.output_layer / p.tp, dp)
+    dense = max(first, last) if p.pp > 1 else first + per_rank(n.output_layer / p.tp, dp)
+    return dense + per_rank(n.experts / (p.ep * p.etp * p.pp), edp)
 
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
     static_gib: float
     activations_gib: float
-    """Per micro-batch, times the micro-batches in flight on the first stage."""
+    """Saved per micro-batch, times the micro-batches in flight on the first stage, plus ``transient_bytes``."""
 
     @property
     def total_gib(self) -> float:
@@ -145,10 +192,10 @@ class MemoryEstimate:
 
 def estimate(cfg: RunConfig) -> MemoryEstimate:
     """The lower-bound peak of the most loaded rank (see the module docstring for what it counts)."""
-    layout = layout_of(cfg)
+    layout, seq = layout_of(cfg), sharded_seq_length(cfg)
+    saved = microbatches_in_flight(cfg) * sum(activation_parts(cfg, seq).values())
     return MemoryEstimate(static_gib=static_bytes(cfg, layout.dp, layout.edp) / GIB,
-                          activations_gib=microbatches_in_flight(cfg) * activation_bytes(cfg, sharded_seq_length(cfg))
-                          / GIB)
+                          activations_gib=(saved + transient_bytes(cfg, seq)) / GIB)
 
 
 def microbatches_in_flight(cfg: RunConfig) -> float:
