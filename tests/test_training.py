@@ -29,6 +29,8 @@ def test_tiny_run_writes_every_metric(run_cli):
     startup = {f"startup.{phase}" for phase in ("imports", "init", "build", "wrap")}
     assert set(wall) == startup | {"warmup", "measured", "profile", "census"}
     assert all(wall[k] > 0 for k in startup) and wall["measured"] >= sum(metrics["step_time_s"]["steps"])
+    warmup = metrics["warmup_step_time_s"]
+    assert len(warmup) == 2 and all(v > 0 for v in warmup) and wall["warmup"] >= sum(warmup)  # train.warmup_steps=2
     assert metrics["graphed_layers"] == 0
     assert metrics["gc_in_measured_steps"] == {"count": 0, "seconds": 0.0}  # train.manual_gc, the default
     assert metrics["effective_tokens_per_s"] < metrics["tokens_per_s"]

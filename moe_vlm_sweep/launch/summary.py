@@ -26,6 +26,8 @@ def summarize(result: RunResult) -> str:
     ]
     if m.get("wall_s"):
         rows.append(("wall", ", ".join(f"{k} {v:.1f} s" for k, v in m["wall_s"].items())))
+    if m.get("warmup_step_time_s"):
+        rows.append(("warm-up steps", ", ".join(f"{v:.2f}" for v in m["warmup_step_time_s"]) + " s"))
     if m.get("graphed_layers"):
         rows.append(("cuda graphs", f"{m['graphed_layers']} decoder layers graphed"))
     census = m.get("saved_activations")

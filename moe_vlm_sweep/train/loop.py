@@ -59,6 +59,8 @@ class TrainResult:
     wall_s: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds per part of the schedule (``warmup``, ``capture``, ``measured``, ``profile``), data,
     reductions and syncs included: what a run costs beyond its measured steps."""
+    warmup_step_times: list[float] = field(default_factory=list)
+    """Seconds of each warm-up step, timed like a measured one (synced, without fetching data)."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
     saved_activation_bytes: Optional[dict[str, int]] = None
@@ -312,6 +314,8 @@ class Trainer:
                     clock.mark("end")
                 if phase == "measured":
                     result.step_times.append(elapsed)
+                elif phase == "warmup":
+                    result.warmup_step_times.append(elapsed)
                 if phase != "census":  # a measurement of memory: its loss would make runs differ in length
                     self._reduce(step, microbatches, result)
                     result.phases.append(phase)

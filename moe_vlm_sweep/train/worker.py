@@ -200,6 +200,7 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
         predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
         loss=Loss(values=result.losses, phases=result.phases), wall_s={**(startup_s or {}), **result.wall_s},
+        warmup_step_time_s=result.warmup_step_times,
         gc_in_measured_steps=result.gc_in_measured_steps, graphed_layers=result.graphed_layers,
         component_split=split, saved_activations=_saved_activations(plan, result.saved_activation_bytes),
         accounting_notes=list(ACCOUNTING_NOTES),
