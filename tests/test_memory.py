@@ -79,7 +79,7 @@ def test_sharding_divides_static_memory():
 
 
 def test_a_model_that_cannot_fit_is_refused_before_launch():
-    with pytest.raises(ConfigError, match=r"needs at least \d+\.\d GiB per GPU .* hardware.memory_gib=141"):
+    with pytest.raises(ConfigError, match=r"needs at least \d+\.\d GiB per GPU .* hardware.memory_gib=139.8"):
         make_plan(compose_run_config(["model=qwen3_vl_30b_a3b", "hardware=h200"]))
 
 

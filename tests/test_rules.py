@@ -88,7 +88,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "graph_warmup_within_warmup": ([*GPU, "cuda_graph=attn", "cuda_graph.warmup_steps=3", "train.warmup_steps=3"],
                                    "cuda_graph.warmup_steps=3 must be < train.warmup_steps=3"),
     "fits_in_gpu_memory": (["model=qwen3_vl_30b_a3b", "hardware=h200"],
-                           "more than hardware.memory_gib=141.0: shard further"),
+                           "more than hardware.memory_gib=139.8: shard further"),
     "trace_needs_profile_steps": (["train.trace=true", "train.profile_steps=0"],
                                   "train.trace=true traces the profile steps, but train.profile_steps=0"),
     "layer_graphs_vs_fsdp": ([*GPU, "cuda_graph=attn", "parallel.fsdp_sharding=optim_grads"],
