@@ -75,7 +75,7 @@ def parameter_counts(model: ModelConf) -> Params:
 def _decoder_layer_bytes_per_token(d: DecoderConf, *, moe: bool, element_bytes: int,
                                    recomputed: frozenset[str] = frozenset()) -> float:
     """Saved activations of one decoder layer per token, as the census counts them on the H200 (megatron-core
-    0.19, TE; ``benchmarks/results/h200_small_s1664/census.json``); ``recomputed``: selective recompute modules.
+    0.19, TE; ``benchmarks/results/h200_small_s1664/memory.json``); ``recomputed``: selective recompute modules.
 
     Every SwiGLU keeps five widths of its hidden size: fc1's output (two), silu's output, the copy that
     ``x_linear + glu_linear_offset`` makes, and the product (fc2's input; for experts the product is weighted by
@@ -111,7 +111,7 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
     if rc.granularity == "full":
         decoder = tokens * layers * element_bytes * d.hidden_size
     else:
-        recomputed = frozenset(rc.modules or ["core_attn"]) if rc.granularity == "selective" else frozenset()
+        recomputed = frozenset(rc.modules)  # selective only (rules.py)
         moe_share = d.num_moe_layers / d.num_layers
         decoder = tokens * layers * sum(
             share * _decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes, recomputed=recomputed)
@@ -145,8 +145,8 @@ def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT
     loss = tokens * d.vocab_size * (element_bytes + 4 * fused) / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0
     layer = 0.0
     if cfg.recompute.granularity == "full":
-        layer = tokens * max(_decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes)
-                             for moe in {d.num_moe_layers > 0, d.num_moe_layers < d.num_layers})
+        kinds = [moe for moe, count in ((True, d.num_moe_layers), (False, d.num_layers - d.num_moe_layers)) if count]
+        layer = tokens * max(_decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes) for moe in kinds)
     return max(loss, layer)
 
 
@@ -169,9 +169,11 @@ def static_bytes(cfg: RunConfig, dp: int, edp: int) -> float:
     shard_grads = fsdp and p.fsdp_sharding in ("optim_grads", "optim_grads_params")
 
     def per_rank(count: float, replicas: int, trained: bool = True) -> float:
+        if not trained:
+            return count * WEIGHT_BYTES / (replicas if shard_weights else 1)
         # sharded parameters are gathered module by module and freed: their lasting copy is the fp32 master
-        weights = 0.0 if shard_weights and trained else count * WEIGHT_BYTES
-        return weights + trained * count * (GRAD_BYTES / (replicas if shard_grads else 1) + OPTIMIZER_BYTES / replicas)
+        weights = 0.0 if shard_weights else count * WEIGHT_BYTES
+        return weights + count * (GRAD_BYTES / (replicas if shard_grads else 1) + OPTIMIZER_BYTES / replicas)
 
     first = per_rank(body + (n.embedding / p.tp + vision), dp) + per_rank(frozen / p.tp, dp, trained=False)
     last = per_rank(body + n.output_layer / p.tp, dp)
