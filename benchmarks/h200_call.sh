@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | gputests | census | mbs64 | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | gputests | census | mbs64 | swiglu | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -14,6 +14,8 @@
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
 #             saved_activations) next to the memory estimate's parts, to attribute the estimate's 27-30% gap
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
+#   swiglu    megatron's fused SwiGLU (fusions.bias_activation) against unfused at MBS 64, eager, 3D, 1664 tokens,
+#             then fused at MBS 80 and 96, which unfused does not fit (plan/memory.py: 129.6 and 152.9 GiB)
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
@@ -61,6 +63,14 @@ for step in "$@"; do
         --config eager="cuda_graph=none" --config attn_moe_router="cuda_graph=attn_moe_router" \
         --config layer_te="cuda_graph=layer_te $D"
       stop_orphans ;;
+    swiglu)  # about 70 s a config; each step is one micro-batch (GBS = MBS)
+      timeout 400 python3 benchmarks/compare_configs.py --outputs /tmp/swiglu --out "$OUT/h200_swiglu.json" \
+        --common "${C/batch.gbs=32 /} parallel=3d cuda_graph=none $S" \
+        --config unfused_mbs64="batch.mbs=64 batch.gbs=64 fusions.bias_activation=false" \
+        --config fused_mbs64="batch.mbs=64 batch.gbs=64 fusions.bias_activation=true" \
+        --config fused_mbs80="batch.mbs=80 batch.gbs=80 fusions.bias_activation=true" \
+        --config fused_mbs96="batch.mbs=96 batch.gbs=96 fusions.bias_activation=true"
+      stop_orphans ;;
     sweep=*|proxy=*|s1664=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy; [[ $step == s1664=* ]] && space=h200_small_s1664
       budget=$(( $(left) - 30 ))
@@ -91,7 +101,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/swiglu 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -134,3 +134,32 @@ def test_a_failed_census_step_leaves_the_run_its_results():
     assert measured is None and sources == ("the census step failed: RuntimeError: saved tensor hooks are not "
                                             "supported here\n")
     assert not torch._C._autograd._top_saved_tensors_default_hooks(False), "the hooks must be gone"
+
+
+def test_fused_swiglu_is_not_a_gpu_default_until_measured():
+    from moe_vlm_sweep.config.schema import FusionsConf
+
+    resolved = FusionsConf().resolved(on_gpu=True)
+    assert resolved["cross_entropy"] and not resolved["bias_activation"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_swiglu_reaches_every_megatron_config_and_the_memory_estimate(fused):
+    """Set, ``fusions.bias_activation`` reaches megatron's decoder, vision and projector configs (megatron
+    validates GELU-with-bias there too), and the estimate keeps three expert widths per routed token instead of
+    six. The other fusions are off: megatron checks those against TE, which this machine lacks."""
+    from moe_vlm_sweep.config.compose import compose_run_config
+    from moe_vlm_sweep.model.build import decoder_config, projector_config, vision_config
+    from moe_vlm_sweep.plan.memory import activation_parts
+    from moe_vlm_sweep.plan.plan import make_plan
+
+    overrides = ["model=tiny", "hardware=h200", "parallel=3d", "fusions=off"]
+    plan = make_plan(compose_run_config([*overrides, f"fusions.bias_activation={str(fused).lower()}"]))
+    decoder = decoder_config(plan)
+    assert decoder.bias_activation_fusion is fused
+    assert vision_config(plan, decoder).bias_activation_fusion is fused
+    assert projector_config(plan, decoder).bias_activation_fusion is fused
+    cfg, d = plan.run_config, plan.run_config.model.decoder
+    unfused = activation_parts(compose_run_config(overrides), plan.seq_length)
+    saved = 3 * d.moe_router_topk * d.moe_ffn_hidden_size * 2 * cfg.batch.mbs * plan.seq_length * d.num_layers
+    assert unfused["decoder.layers"] - activation_parts(cfg, plan.seq_length)["decoder.layers"] == saved * fused

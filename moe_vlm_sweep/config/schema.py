@@ -254,9 +254,12 @@ class VisionTrainingConf:
 class FusionsConf:
     """megatron-core's kernel fusions; None means on for GPU hardware, off on the CPU (they need CUDA).
 
-    ``gradient_accumulation`` is the exception: megatron's version needs APEX's ``fused_weight_gradient_mlp_cuda``
-    extension, which TE-only installs lack, so None means off; set it true where APEX is built (the worker's
-    preflight checks)."""
+    Two exceptions, where None means off. ``gradient_accumulation``: megatron's version needs APEX's
+    ``fused_weight_gradient_mlp_cuda`` extension, which TE-only installs lack; set it true where APEX is built
+    (the worker's preflight checks). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
+    SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
+    three more tensors of the expert width per routed token) is not yet measured on the H200, so it is not a
+    default; ``benchmarks/h200_call.sh``'s ``swiglu`` step measures it."""
 
     name: str = "auto"
     bias_dropout: Optional[bool] = None
@@ -265,11 +268,14 @@ class FusionsConf:
     moe_permute: Optional[bool] = None
     cross_entropy: Optional[bool] = None
     gradient_accumulation: Optional[bool] = None
+    bias_activation: Optional[bool] = None
 
-    FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation")
+    FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation",
+              "bias_activation")
+    OFF_UNLESS_SET = ("gradient_accumulation", "bias_activation")
 
     def resolved(self, *, on_gpu: bool) -> dict[str, bool]:
-        auto = {name: on_gpu and name != "gradient_accumulation" for name in self.FIELDS}
+        auto = {name: on_gpu and name not in self.OFF_UNLESS_SET for name in self.FIELDS}
         return {name: auto[name] if getattr(self, name) is None else getattr(self, name) for name in self.FIELDS}
 
 

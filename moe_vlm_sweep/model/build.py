@@ -65,6 +65,7 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         bias_dropout_fusion=fu["bias_dropout"], apply_rope_fusion=fu["rope"],
         masked_softmax_fusion=fu["masked_softmax"], moe_permute_fusion=fu["moe_permute"],
         cross_entropy_loss_fusion=fu["cross_entropy"], gradient_accumulation_fusion=fu["gradient_accumulation"],
+        bias_activation_fusion=fu["bias_activation"],
         cuda_graph_impl=cg.impl, cuda_graph_modules=list(cg.modules), cuda_graph_warmup_steps=cg.warmup_steps,
         use_te_rng_tracker=plan.graph_rng == "te",
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,

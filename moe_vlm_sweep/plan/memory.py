@@ -73,27 +73,29 @@ def parameter_counts(model: ModelConf) -> Params:
 
 
 def _decoder_layer_bytes_per_token(d: DecoderConf, *, moe: bool, element_bytes: int,
-                                   recomputed: frozenset[str] = frozenset()) -> float:
+                                   recomputed: frozenset[str] = frozenset(), fused_swiglu: bool = False) -> float:
     """Saved activations of one decoder layer per token, as the census counts them on the H200 (megatron-core
     0.19, TE; ``benchmarks/results/h200_small_s1664/memory.json``); ``recomputed``: selective recompute modules.
 
     Every SwiGLU keeps five widths of its hidden size: fc1's output (two), silu's output, the copy that
     ``x_linear + glu_linear_offset`` makes, and the product (fc2's input; for experts the product is weighted by
-    the router's probabilities first, a sixth). ``moe_act`` recompute keeps only fc1's output, ``moe`` only the
-    layer's input, ``layernorm`` frees a norm's output; ``core_attn`` frees only the softmax statistics with
-    fused attention (its checkpoint keeps the whole QKV output alive, more than it frees)."""
+    the router's probabilities first, a sixth); fused (``fusions.bias_activation``), three: fc1's output and the
+    kernel's. ``moe_act`` recompute keeps only fc1's output, ``moe`` only the layer's input, ``layernorm`` frees a
+    norm's output; ``core_attn`` frees only the softmax statistics with fused attention (its checkpoint keeps the
+    whole QKV output alive, more than it frees)."""
     h, q, kv, e = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_query_groups * d.head_dim, element_bytes
     norm_out = 0 if "layernorm" in recomputed else h
     # input norm in and out (QKV in), Q K V, attention out (proj in); softmax statistics are fp32, one per head
     attention = e * (h + norm_out + q + 2 * kv + q) + (0 if "core_attn" in recomputed else 4 * d.num_attention_heads)
+    glu, expert_glu = (3, 3) if fused_swiglu else (5, 6)
     if not moe:
-        mlp = 0 if "mlp" in recomputed else 5 * d.ffn_hidden_size
+        mlp = 0 if "mlp" in recomputed else glu * d.ffn_hidden_size
         return attention + e * (h + norm_out + mlp)
     if "moe" in recomputed:  # the pre-MLP norm's input, and the checkpoint's: the norm's output
         return attention + e * 2 * h
     k, f, shared = d.moe_router_topk, d.moe_ffn_hidden_size, d.moe_shared_expert_intermediate_size or 0
-    experts = k * h + (2 * k * f if "moe_act" in recomputed else 6 * k * f)  # fc1 in (the routed copies) and after
-    return attention + e * (h + norm_out + experts + (0 if "shared_experts" in recomputed else 5 * shared))
+    experts = k * h + (2 if "moe_act" in recomputed else expert_glu) * k * f  # fc1 in (the routed copies), after
+    return attention + e * (h + norm_out + experts + (0 if "shared_experts" in recomputed else glu * shared))
 
 
 ACTIVATION_PARTS = ("vision_encoder", "projector", "decoder.layers", "decoder.output")
@@ -111,10 +113,11 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
     if rc.granularity == "full":
         decoder = tokens * layers * element_bytes * d.hidden_size
     else:
-        recomputed = frozenset(rc.modules)  # selective only (rules.py)
         moe_share = d.num_moe_layers / d.num_layers
         decoder = tokens * layers * sum(
-            share * _decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes, recomputed=recomputed)
+            share * _decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes,
+                                                   recomputed=frozenset(rc.modules),  # selective only (rules.py)
+                                                   fused_swiglu=_fused(cfg, "bias_activation"))
             for moe, share in ((True, moe_share), (False, 1 - moe_share)))
     # the output layer's input and the fp32 logits the loss keeps (vocab-parallel: the whole sequence, V / TP)
     logits = tokens * (element_bytes * d.hidden_size + d.vocab_size * 4 / (p.tp if not p.sp else 1)) \
@@ -141,13 +144,19 @@ def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT
         return 0.0
     d, p = cfg.model.decoder, cfg.parallel
     tokens = _decoder_tokens(cfg, seq_length)
-    fused = cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")["cross_entropy"]
-    loss = tokens * d.vocab_size * (element_bytes + 4 * fused) / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0
+    fused_loss = _fused(cfg, "cross_entropy")
+    loss = tokens * d.vocab_size * (element_bytes + 4 * fused_loss) / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0
     layer = 0.0
     if cfg.recompute.granularity == "full":
         kinds = [moe for moe, count in ((True, d.num_moe_layers), (False, d.num_layers - d.num_moe_layers)) if count]
-        layer = tokens * max(_decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes) for moe in kinds)
+        layer = tokens * max(_decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes,
+                                                            fused_swiglu=_fused(cfg, "bias_activation"))
+                             for moe in kinds)
     return max(loss, layer)
+
+
+def _fused(cfg: RunConfig, fusion: str) -> bool:
+    return cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")[fusion]
 
 
 def _decoder_tokens(cfg: RunConfig, seq_length: int) -> float:
