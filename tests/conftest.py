@@ -8,16 +8,21 @@ import pytest
 from moe_vlm_sweep.cli import main
 
 
+def run_in(outputs: Path, *overrides: str) -> tuple[int, Path | None]:
+    """Run `moe-vlm-sweep run OVERRIDES` in-process with outputs under ``outputs``; return (exit code, run dir)."""
+    code = main(["run", *overrides, f"outputs_dir={outputs}"])
+    runs = sorted((outputs / "runs").glob("*")) if (outputs / "runs").exists() else []
+    return code, (runs[-1] if runs else None)
+
+
 @pytest.fixture
 def run_cli(tmp_path, capsys):
-    """Run `moe-vlm-sweep run OVERRIDES` in-process with outputs under tmp_path; return (exit code, run dir)."""
+    """``run_in`` under tmp_path, echoing the CLI's output into the test's report."""
 
     def _run(*overrides: str) -> tuple[int, Path | None]:
-        code = main(["run", *overrides, f"outputs_dir={tmp_path}"])
-        out = capsys.readouterr().out
-        print(out)
-        runs = sorted((tmp_path / "runs").glob("*")) if (tmp_path / "runs").exists() else []
-        return code, (runs[-1] if runs else None)
+        result = run_in(tmp_path, *overrides)
+        print(capsys.readouterr().out)
+        return result
 
     return _run
 

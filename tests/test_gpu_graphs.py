@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import read_json
+from conftest import read_json, run_in
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
@@ -24,16 +24,21 @@ COMMON = ("model=tiny", "model.text_tokens=113", "hardware=h200", "parallel=3d",
           "train.warmup_steps=3", "train.steps=4", "train.profile_steps=1", "data.fixed_batch=true")
 
 
-def _run(run_cli, *overrides: str) -> dict:
-    code, run_dir = run_cli(*COMMON, *overrides)
+def _run(outputs, *overrides: str) -> dict:
+    code, run_dir = run_in(outputs, *COMMON, *overrides)
     assert code == 0, (run_dir / "worker.log").read_text()[-4000:]
     return read_json(run_dir / "metrics.json")
 
 
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory) -> dict:
+    """One eager run for every scope to match (a run costs the GPU machine about 30 s)."""
+    return _run(tmp_path_factory.mktemp("eager"), "cuda_graph=none")
+
+
 @pytest.mark.parametrize("scope", ["attn", "attn_moe_router", "attn_moe_router_preprocess"])
-def test_te_graph_scope_graphs_every_layer_and_trains_like_eager(scope, run_cli):
-    eager = _run(run_cli, "cuda_graph=none")
-    graphed = _run(run_cli, f"cuda_graph={scope}")
+def test_te_graph_scope_graphs_every_layer_and_trains_like_eager(scope, eager, tmp_path):
+    graphed = _run(tmp_path, f"cuda_graph={scope}")
     assert eager["graphed_layers"] == 0
     assert graphed["graphed_layers"] == 2  # model=tiny: two decoder layers
     assert eager["saved_activations"]["measured_gib"]["total"] > 0  # the census step runs on the GPU too
