@@ -12,10 +12,10 @@
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes train like eager, eager runs a census)
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
-#             saved_activations) next to the memory estimate's parts, to attribute the estimate's 27-30% gap
+#             saved_activations) next to the memory estimate's parts
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
 #   swiglu    megatron's fused SwiGLU (fusions.bias_activation) against unfused at MBS 64, eager, 3D, 1664 tokens,
-#             then fused at MBS 80 and 96, which unfused does not fit (plan/memory.py: 129.6 and 152.9 GiB)
+#             then fused at MBS 80 and 96 (unfused, plan/memory.py estimates 129.6 GiB and refuses MBS 96 at 152.9)
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz

@@ -56,7 +56,7 @@ def table(rows: list[dict]) -> str:
         parts = activation_parts(cfg, sharded_seq_length(cfg))
         for part in ACTIVATION_PARTS:
             est = parts[part] * microbatches_in_flight(cfg) / GIB
-            cells.append(f"{saved[part]:.2f} / {est:.2f}" if saved else "graphs: no census")
+            cells.append(f"{saved[part]:.2f} / {est:.2f}" if saved else "no census")
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 

@@ -26,7 +26,7 @@ COMMON = ("model=tiny", "model.text_tokens=113", "hardware=h200", "parallel=3d",
 
 def _run(outputs, *overrides: str) -> dict:
     code, run_dir = run_in(outputs, *COMMON, *overrides)
-    assert code == 0, (run_dir / "worker.log").read_text()[-4000:]
+    assert code == 0, run_dir and (run_dir / "worker.log").read_text()[-4000:]
     return read_json(run_dir / "metrics.json")
 
 

@@ -61,7 +61,7 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         recompute_granularity=None if rc.granularity == "none" else rc.granularity,
         recompute_method=rc.method if rc.granularity == "full" else None,
         recompute_num_layers=(rc.num_layers or 1) if rc.granularity == "full" else None,
-        recompute_modules=(rc.modules or ["core_attn"]) if rc.granularity == "selective" else None,
+        recompute_modules=list(rc.modules) if rc.granularity == "selective" else None,  # named (rules.py)
         bias_dropout_fusion=fu["bias_dropout"], apply_rope_fusion=fu["rope"],
         masked_softmax_fusion=fu["masked_softmax"], moe_permute_fusion=fu["moe_permute"],
         cross_entropy_loss_fusion=fu["cross_entropy"], gradient_accumulation_fusion=fu["gradient_accumulation"],
@@ -87,9 +87,11 @@ def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
                    moe_permute_fusion=False)
     pipeline_off = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                         sequence_parallel=False, context_parallel_size=1)
+    # bias_activation_fusion: megatron's fused GELU is the tanh approximation, so fusing it would change the
+    # model; the ViT and projector keep exact GELU whatever the decoder's SwiGLU does
     no_extras = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                      recompute_modules=None, cuda_graph_impl="none", cuda_graph_modules=[],
-                     inference_cuda_graph_scope=None)
+                     inference_cuda_graph_scope=None, bias_activation_fusion=False)
     kwargs = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     kwargs.update(moe_off, **pipeline_off, **no_extras, **fields)
     kwargs.pop("cuda_graph_scope", None)

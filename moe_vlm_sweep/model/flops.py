@@ -173,7 +173,7 @@ def _recomputed_forward(parts: dict[str, float], d: DecoderConf, rc: RecomputeCo
             return layer_total * min(rc.num_layers * stages, d.num_layers) / d.num_layers
         return layer_total  # uniform: every layer is recomputed, in chunks of num_layers
     if rc.granularity == "selective":
-        modules = rc.modules or ["core_attn"]
+        modules = rc.modules  # named (rules.py)
         recomputed = {"core_attn": ["core_attn"], "moe": ["router", "experts", "shared_experts"],
                       "mlp": ["dense_mlp"], "shared_experts": ["shared_experts"]}
         # moe_act and layernorm recompute elementwise work only; mla_up_proj needs MLA, which we do not build.

@@ -119,27 +119,35 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
                                                    recomputed=frozenset(rc.modules),  # selective only (rules.py)
                                                    fused_swiglu=_fused(cfg, "bias_activation"))
             for moe, share in ((True, moe_share), (False, 1 - moe_share)))
-    # the output layer's input and the fp32 logits the loss keeps (vocab-parallel: the whole sequence, V / TP)
-    logits = tokens * (element_bytes * d.hidden_size + d.vocab_size * 4 / (p.tp if not p.sp else 1)) \
-        if p.pp == 1 else 0.0
     v, pr = m.vision, m.projector
     images = cfg.batch.mbs * m.images_per_sample
-    # per layer: both norms' inputs and outputs, Q K V, attention out, the MLP's hidden twice (GELU in and out)
+    # Vision and projector run the decoder's TP without SP: norms whole, the rest split by TP. Per layer: both
+    # norms' inputs and outputs; Q K V and attention out; the MLP's hidden twice (GELU in and out).
     vision = 0.0 if cfg.vision.freeze_encoder else images * (v.patches_per_image + v.class_token_len) * (
-        v.num_layers * element_bytes * (8 * v.hidden_size + 2 * v.ffn_hidden_size))
-    # the merged patches in, the hidden twice (GELU in and out)
-    hidden = 2 * (pr.ffn_hidden_size or d.hidden_size) if pr.kind == "mlp" else 0
+        v.num_layers * element_bytes * (4 * v.hidden_size + (4 * v.hidden_size + 2 * v.ffn_hidden_size) / p.tp))
+    # the merged patches in (whole), the hidden twice (GELU in and out)
+    hidden = 2 * (pr.ffn_hidden_size or d.hidden_size) / p.tp if pr.kind == "mlp" else 0
     projector = 0.0 if cfg.vision.freeze_projector else images * v.patches_per_image / v.spatial_merge**2 * (
         element_bytes * (v.hidden_size * v.spatial_merge**2 + hidden))
-    return {"vision_encoder": vision, "projector": projector, "decoder.layers": decoder, "decoder.output": logits}
+    return {"vision_encoder": vision, "projector": projector, "decoder.layers": decoder,
+            "decoder.output": _output_bytes(cfg, tokens, element_bytes)}
+
+
+def _output_bytes(cfg: RunConfig, tokens: float, element_bytes: int) -> float:
+    """The output layer's input and the fp32 logits the loss keeps (vocab-parallel: the whole sequence, V / TP);
+    on the last pipeline stage only."""
+    d, p = cfg.model.decoder, cfg.parallel
+    return tokens * (element_bytes * d.hidden_size + d.vocab_size * 4 / (p.tp if not p.sp else 1)) \
+        if p.pp == 1 else 0.0
 
 
 def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT_BYTES) -> float:
     """What the peak holds on top of the saved activations, at its moment: at the loss, the logits in the model's
     precision, and with fused cross-entropy an fp32 working copy next to them (the H200's MBS 96 trials failed
     allocating exactly that, 19.5 GiB; with the fusion off the peak is that much lower); under full recompute, one
-    layer's activations rebuilt during backward. The larger of the two. Left out under CUDA graphs: their runs
-    peak 4-6 GiB below eager at MBS 32-64 (``h200_scopes_s1664/``), not yet attributed (no census under graphs)."""
+    layer's activations rebuilt during backward, by when the loss has freed its logits. The larger of the two.
+    Left out under CUDA graphs, whose runs peak 4-6 GiB below eager at MBS 32-64 (``h200_scopes_s1664/``) for
+    reasons the census cannot see (it does not run under graphs), so that the bound holds there too."""
     if cfg.cuda_graph.impl != "none":
         return 0.0
     d, p = cfg.model.decoder, cfg.parallel
@@ -151,7 +159,7 @@ def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT
         kinds = [moe for moe, count in ((True, d.num_moe_layers), (False, d.num_layers - d.num_moe_layers)) if count]
         layer = tokens * max(_decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes,
                                                             fused_swiglu=_fused(cfg, "bias_activation"))
-                             for moe in kinds)
+                             for moe in kinds) - _output_bytes(cfg, tokens, element_bytes)
     return max(loss, layer)
 
 
@@ -167,8 +175,9 @@ def _decoder_tokens(cfg: RunConfig, seq_length: int) -> float:
 
 def static_bytes(cfg: RunConfig, dp: int, edp: int) -> float:
     """Weights, main gradients and optimizer states on the rank that holds the most; frozen modules (vision)
-    hold weights only. Megatron-FSDP's ``optim_grads_params`` keeps no lasting bf16 copy of what it trains: at
-    DP 1 it peaks 1.4 GiB (the bf16 weights of model=small) below 3D (``h200_small_knobs.json``)."""
+    hold weights only. Under Megatron-FSDP's ``optim_grads_params`` the bf16 weights of what it trains are left
+    out: at DP 1 it peaks 1.4 GiB below 3D (``h200_small_knobs.json``), the size of model=small's bf16 weights
+    (were it bf16 gradients instead, the estimate stays a bound)."""
     p, n, v = cfg.parallel, parameter_counts(cfg.model), cfg.vision
     frozen = (n.vision if v.freeze_encoder else 0) + (n.projector if v.freeze_projector else 0)
     body = n.decoder_dense / (p.tp * p.pp)
@@ -180,7 +189,6 @@ def static_bytes(cfg: RunConfig, dp: int, edp: int) -> float:
     def per_rank(count: float, replicas: int, trained: bool = True) -> float:
         if not trained:
             return count * WEIGHT_BYTES / (replicas if shard_weights else 1)
-        # sharded parameters are gathered module by module and freed: their lasting copy is the fp32 master
         weights = 0.0 if shard_weights else count * WEIGHT_BYTES
         return weights + count * (GRAD_BYTES / (replicas if shard_grads else 1) + OPTIMIZER_BYTES / replicas)
 
