@@ -32,7 +32,9 @@ from moe_vlm_sweep.config.schema import DecoderConf, ModelConf, RunConfig
 from moe_vlm_sweep.plan.layout import layout_of, sharded_seq_length
 
 GIB = 2**30
-WEIGHT_BYTES = 2
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
+"""Bytes of an activation element by the run's precision (``train.precision`` resolved: ``plan.precision``)."""
+WEIGHT_BYTES = ELEMENT_BYTES["bf16"]
 GRAD_BYTES = 4
 OPTIMIZER_BYTES = 12
 

@@ -41,7 +41,7 @@ from moe_vlm_sweep.metrics.schema import (
     write_metrics,
 )
 from moe_vlm_sweep.plan.layout import sharded_seq_length
-from moe_vlm_sweep.plan.memory import GIB, activation_parts, microbatches_in_flight
+from moe_vlm_sweep.plan.memory import ELEMENT_BYTES, GIB, activation_parts, microbatches_in_flight
 from moe_vlm_sweep.plan.plan import RunPlan
 
 
@@ -213,9 +213,8 @@ def _saved_activations(plan: RunPlan, measured: Optional[dict[str, int]]) -> Opt
         return None
     cfg = plan.run_config
     in_flight = microbatches_in_flight(cfg)
-    element_bytes = 2 if plan.precision == "bf16" else 4
-    predicted = {part: in_flight * value / GIB
-                 for part, value in activation_parts(cfg, sharded_seq_length(cfg), element_bytes).items()}
+    parts = activation_parts(cfg, sharded_seq_length(cfg), ELEMENT_BYTES[plan.precision])
+    predicted = {part: in_flight * value / GIB for part, value in parts.items()}
     return SavedActivations(measured_gib={**{k: v / GIB for k, v in measured.items()},
                                           "total": sum(measured.values()) / GIB},
                             predicted_gib={**predicted, "total": sum(predicted.values())},
