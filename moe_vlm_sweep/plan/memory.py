@@ -136,11 +136,17 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
 
 
 def _output_bytes(cfg: RunConfig, tokens: float, element_bytes: int) -> float:
-    """The output layer's input and the fp32 logits the loss keeps (vocab-parallel: the whole sequence, V / TP);
-    on the last pipeline stage only."""
-    d, p = cfg.model.decoder, cfg.parallel
-    return tokens * (element_bytes * d.hidden_size + d.vocab_size * 4 / (p.tp if not p.sp else 1)) \
-        if p.pp == 1 else 0.0
+    """The output layer's input and the fp32 logits the loss keeps, on the last pipeline stage only."""
+    if cfg.parallel.pp > 1:
+        return 0.0
+    return tokens * element_bytes * cfg.model.decoder.hidden_size + 4 * _logits(cfg, tokens)
+
+
+def _logits(cfg: RunConfig, tokens: float) -> float:
+    """Logits of one micro-batch on one rank: vocab-parallel over TP, the whole sequence (SP gathers it); on the
+    last pipeline stage only, so none on the first stage that the estimate counts when PP > 1."""
+    p = cfg.parallel
+    return tokens * cfg.model.decoder.vocab_size / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0
 
 
 def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT_BYTES) -> float:
@@ -152,10 +158,9 @@ def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT
     reasons the census cannot see (it does not run under graphs), so that the bound holds there too."""
     if cfg.cuda_graph.impl != "none":
         return 0.0
-    d, p = cfg.model.decoder, cfg.parallel
-    tokens = _decoder_tokens(cfg, seq_length)
+    d, tokens = cfg.model.decoder, _decoder_tokens(cfg, seq_length)
     fused_loss = _fused(cfg, "cross_entropy")
-    loss = tokens * d.vocab_size * (element_bytes + 4 * fused_loss) / (p.tp if not p.sp else 1) if p.pp == 1 else 0.0
+    loss = _logits(cfg, tokens) * (element_bytes + 4 * fused_loss)
     layer = 0.0
     if cfg.recompute.granularity == "full":
         kinds = [moe for moe, count in ((True, d.num_moe_layers), (False, d.num_layers - d.num_moe_layers)) if count]

@@ -86,7 +86,6 @@ class Param:
             return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
         return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
 
-
     def alternatives(self, value: Any) -> list[Any]:
         """The values one move from ``value``: every other choice; an int's next step either way (doubled or
         halved on a log scale); none for a continuous float."""
