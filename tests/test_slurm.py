@@ -97,7 +97,9 @@ def test_a_job_the_scheduler_kills_fails_its_trial_and_the_sweep_goes_on(tmp_pat
     proc = start_cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local"], cwd=tmp_path, conf=conf, log=log)
     try:
         deadline = time.monotonic() + 300
-        while not (jobs := list((tmp_path / "outputs" / "multirun").glob("*/.submitit/[0-9]*"))):
+        # a job's folder is its id; submitit's pickles there are named by uuid, which may start with a digit too
+        while not (jobs := [p for p in (tmp_path / "outputs" / "multirun").glob("*/.submitit/*")
+                            if p.is_dir() and p.name.isdigit()]):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         _scancel(int(jobs[0].name))
