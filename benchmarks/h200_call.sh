@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | gputests | census | mbs64 | swiglu | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -14,8 +14,8 @@
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
 #             saved_activations) next to the memory estimate's parts
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
-#   swiglu    megatron's fused SwiGLU (fusions.bias_activation) against unfused at MBS 64, eager, 3D, 1664 tokens,
-#             then fused at MBS 80 and 96 (unfused, plan/memory.py estimates 129.6 GiB and refuses MBS 96 at 152.9)
+#   fusions   megatron's fused SwiGLU (fusions.bias_activation) and fused router (fusions.moe_router) against
+#             unfused, alone and together, at MBS 64 (eager, 3D, 1664 tokens), then both at MBS 96
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
@@ -63,13 +63,16 @@ for step in "$@"; do
         --config eager="cuda_graph=none" --config attn_moe_router="cuda_graph=attn_moe_router" \
         --config layer_te="cuda_graph=layer_te $D"
       stop_orphans ;;
-    swiglu)  # about 70 s a config; each step is one micro-batch (GBS = MBS)
-      timeout 400 python3 benchmarks/compare_configs.py --outputs /tmp/swiglu --out "$OUT/h200_swiglu.json" \
-        --common "${C/batch.gbs=32 /} parallel=3d cuda_graph=none $S" \
-        --config unfused_mbs64="batch.mbs=64 batch.gbs=64 fusions.bias_activation=false" \
-        --config fused_mbs64="batch.mbs=64 batch.gbs=64 fusions.bias_activation=true" \
-        --config fused_mbs80="batch.mbs=80 batch.gbs=80 fusions.bias_activation=true" \
-        --config fused_mbs96="batch.mbs=96 batch.gbs=96 fusions.bias_activation=true"
+    fusions)  # the two fusions fusions=auto leaves off until measured, one at a time and together, at MBS 64 (eager,
+              # 3D, 1664 tokens; GBS = MBS, one micro-batch a step), with a kernel table of both; then both at MBS 96
+              # (unfused, plan/memory.py refuses MBS 96 at 152.9 GiB); about 90 s a config
+      timeout 500 python3 benchmarks/compare_configs.py --outputs /tmp/fusions --out "$OUT/h200_fusions.json" \
+        --common "${C/batch.gbs=32 /} train.timeout_s=160 parallel=3d cuda_graph=none batch.mbs=64 batch.gbs=64 $S" \
+        --config unfused="fusions.bias_activation=false fusions.moe_router=false" \
+        --config swiglu="fusions.bias_activation=true fusions.moe_router=false" \
+        --config router="fusions.bias_activation=false fusions.moe_router=true" \
+        --config both="fusions.bias_activation=true fusions.moe_router=true train.trace=true" \
+        --config both_mbs96="fusions.bias_activation=true fusions.moe_router=true batch.mbs=96 batch.gbs=96"
       stop_orphans ;;
     sweep=*|proxy=*|s1664=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy; [[ $step == s1664=* ]] && space=h200_small_s1664
@@ -101,7 +104,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/swiglu 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

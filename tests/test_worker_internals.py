@@ -140,7 +140,22 @@ def test_fused_swiglu_is_not_a_gpu_default_until_measured():
     from moe_vlm_sweep.config.schema import FusionsConf
 
     resolved = FusionsConf().resolved(on_gpu=True)
-    assert resolved["cross_entropy"] and not resolved["bias_activation"]
+    assert resolved["cross_entropy"] and not resolved["bias_activation"] and not resolved["moe_router"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_router_reaches_the_decoder_only(fused):
+    """``fusions.moe_router`` is megatron's ``moe_router_fusion`` in the MoE decoder; the dense ViT and projector
+    have no router, so their configs keep it off."""
+    from moe_vlm_sweep.config.compose import compose_run_config
+    from moe_vlm_sweep.model.build import decoder_config, projector_config, vision_config
+    from moe_vlm_sweep.plan.plan import make_plan
+
+    plan = make_plan(compose_run_config(["model=tiny", "hardware=h200", "parallel=3d", "fusions=off",
+                                         f"fusions.moe_router={str(fused).lower()}"]))
+    decoder = decoder_config(plan)
+    assert decoder.moe_router_fusion is fused
+    assert not vision_config(plan, decoder).moe_router_fusion and not projector_config(plan, decoder).moe_router_fusion
 
 
 @pytest.mark.parametrize("fused", [False, True])

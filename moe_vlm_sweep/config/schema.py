@@ -254,12 +254,14 @@ class VisionTrainingConf:
 class FusionsConf:
     """megatron-core's kernel fusions; None means on for GPU hardware, off on the CPU (they need CUDA).
 
-    Two exceptions, where None means off. ``gradient_accumulation``: megatron's version needs APEX's
+    Three exceptions, where None means off. ``gradient_accumulation``: megatron's version needs APEX's
     ``fused_weight_gradient_mlp_cuda`` extension, which TE-only installs lack; set it true where APEX is built
     (the worker's preflight checks). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
     three more tensors of the expert width per routed token) is not yet measured on the H200, so it is not a
-    default; ``benchmarks/h200_call.sh``'s ``swiglu`` step measures it."""
+    default; ``benchmarks/h200_call.sh``'s ``swiglu`` step measures it. ``moe_router`` (megatron's
+    ``moe_router_fusion``: TE's fused top-k with its score function and the aux-loss statistics, where unfused
+    megatron runs a dozen small kernels per MoE layer) is not yet measured on the H200 either."""
 
     name: str = "auto"
     bias_dropout: Optional[bool] = None
@@ -269,10 +271,11 @@ class FusionsConf:
     cross_entropy: Optional[bool] = None
     gradient_accumulation: Optional[bool] = None
     bias_activation: Optional[bool] = None
+    moe_router: Optional[bool] = None
 
     FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation",
-              "bias_activation")
-    OFF_UNLESS_SET = ("gradient_accumulation", "bias_activation")
+              "bias_activation", "moe_router")
+    OFF_UNLESS_SET = ("gradient_accumulation", "bias_activation", "moe_router")
 
     def resolved(self, *, on_gpu: bool) -> dict[str, bool]:
         auto = {name: on_gpu and name not in self.OFF_UNLESS_SET for name in self.FIELDS}

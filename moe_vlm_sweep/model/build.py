@@ -65,7 +65,7 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         bias_dropout_fusion=fu["bias_dropout"], apply_rope_fusion=fu["rope"],
         masked_softmax_fusion=fu["masked_softmax"], moe_permute_fusion=fu["moe_permute"],
         cross_entropy_loss_fusion=fu["cross_entropy"], gradient_accumulation_fusion=fu["gradient_accumulation"],
-        bias_activation_fusion=fu["bias_activation"],
+        bias_activation_fusion=fu["bias_activation"], moe_router_fusion=fu["moe_router"],
         cuda_graph_impl=cg.impl, cuda_graph_modules=list(cg.modules), cuda_graph_warmup_steps=cg.warmup_steps,
         use_te_rng_tracker=plan.graph_rng == "te",
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
@@ -84,7 +84,7 @@ def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
                    moe_ffn_hidden_size=None, moe_router_topk=2, moe_token_dispatcher_type="allgather",
                    expert_model_parallel_size=1, expert_tensor_parallel_size=base.tensor_model_parallel_size,
                    moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
-                   moe_permute_fusion=False)
+                   moe_permute_fusion=False, moe_router_fusion=False)
     pipeline_off = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                         sequence_parallel=False, context_parallel_size=1)
     # bias_activation_fusion: megatron's fused GELU is the tanh approximation, so fusing it would change the
