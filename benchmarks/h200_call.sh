@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | mbs96 | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -16,6 +16,8 @@
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
 #   fusions   megatron's fused SwiGLU (fusions.bias_activation) and fused router (fusions.moe_router) against
 #             unfused, alone and together, at MBS 64 (eager, 3D, 1664 tokens), then both at MBS 96
+#   mbs96     the study's best (MBS 64, eager, GBS 192) against MBS 96 with the fused SwiGLU and the unfused loss,
+#             the two memory levers the fusions step found (plan/memory.py: 111.4 GiB against 130.9 fused)
 #   baseline  the baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
@@ -74,6 +76,12 @@ for step in "$@"; do
         --config both="fusions.bias_activation=true fusions.moe_router=true train.trace=true" \
         --config both_mbs96="fusions.bias_activation=true fusions.moe_router=true batch.mbs=96 batch.gbs=96"
       stop_orphans ;;
+    mbs96)  # GBS 192 as in h200_small_s1664: 3 micro-batches at MBS 64, 2 at MBS 96; about 100 s a config
+      timeout 280 python3 benchmarks/compare_configs.py --outputs /tmp/mbs96 --out "$OUT/h200_mbs96.json" \
+        --common "${C/batch.gbs=32 /} train.timeout_s=200 parallel=3d cuda_graph=none batch.gbs=192 $S" \
+        --config mbs64="batch.mbs=64" \
+        --config mbs96_swiglu_ce_unfused="batch.mbs=96 fusions.bias_activation=true fusions.cross_entropy=false"
+      stop_orphans ;;
     sweep=*|proxy=*|s1664=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy; [[ $step == s1664=* ]] && space=h200_small_s1664
       budget=$(( $(left) - 30 ))
@@ -104,7 +112,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions /tmp/mbs96 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
