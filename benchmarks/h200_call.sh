@@ -18,7 +18,8 @@
 #   fusions   megatron's fused SwiGLU (fusions.bias_activation) and fused router (fusions.moe_router) against
 #             unfused, alone and together, at MBS 64 (eager, 3D, 1664 tokens), then both at MBS 96
 #   mbs96     the study's best (MBS 64, eager, GBS 192) against MBS 96 with the fused SwiGLU and the unfused loss,
-#             the two memory levers the fusions step found (plan/memory.py: 111.4 GiB against 130.9 fused)
+#             which take back the expert activations' copies and the loss's fp32 logits (plan/memory.py: 111.4 GiB
+#             against 130.9 GiB with the fused loss)
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
