@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | mbs96 | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | mbs96 | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -10,8 +10,10 @@
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   s1664=N   the same for h200_small_s1664 (model=small, 3D, 1664 decoder tokens, MBS 32-96, GBS 192)
 #   fused=N   the same for h200_small_fused (s1664 with the fused SwiGLU and the unfused loss, MBS 64-96)
+#   packed=N  the same for h200_small_packed (fused, GBS 384, MBS 96-128, with and without data.packing)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
-#   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes train like eager, eager runs a census)
+#   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes and packed THD rows train like eager,
+#             eager runs a census); gputests=EXPR runs those pytest -k EXPR selects
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
 #             saved_activations) next to the memory estimate's parts
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
@@ -52,8 +54,10 @@ for step in "$@"; do
         --config eager_droppad="cuda_graph=none $D"
       grep -h -i "disabling\|Running with .*backend" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -20
       stop_orphans ;;
-    gputests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -15 | tee "$OUT/gputests.txt"
+    gputests|gputests=*)
+      select=(); [[ $step == gputests=* ]] && select=(-k "${step#gputests=}")
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py "${select[@]}" 2>&1 | tail -15 \
+        | tee "$OUT/gputests.txt"
       stop_orphans ;;
     census)  # about 60 s a config
       timeout 200 python3 benchmarks/compare_configs.py --outputs /tmp/census --out "$OUT/h200_census.json" \
@@ -84,9 +88,9 @@ for step in "$@"; do
         --config mbs64="batch.mbs=64" \
         --config mbs96_swiglu_ce_unfused="batch.mbs=96 fusions.bias_activation=true fusions.cross_entropy=false"
       stop_orphans ;;
-    sweep=*|proxy=*|s1664=*|fused=*)
+    sweep=*|proxy=*|s1664=*|fused=*|packed=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy; [[ $step == s1664=* ]] && space=h200_small_s1664
-      [[ $step == fused=* ]] && space=h200_small_fused
+      [[ $step == fused=* ]] && space=h200_small_fused; [[ $step == packed=* ]] && space=h200_small_packed
       budget=$(( $(left) - 30 ))
       (( budget > 60 )) || { echo "skip $step: ${budget} s left"; continue; }
       timeout $((budget + 20)) python3 -m moe_vlm_sweep.cli run -m "sweep=$space" "sweep.n_trials=${step#*=}" \

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_vlm_sweep.cli import main
 
@@ -29,3 +31,25 @@ def run_cli(tmp_path, capsys):
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """Megatron's parallel state for a world of one, once for the module (torch.distributed on gloo)."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    from moe_vlm_sweep.config.schema import ParallelConf, RunConfig
+    from moe_vlm_sweep.plan.plan import make_plan
+    from moe_vlm_sweep.train import cpu_compat
+    from moe_vlm_sweep.train.worker import init_distributed
+
+    env = dict(os.environ)
+    cpu_compat.apply()
+    init_distributed(make_plan(RunConfig(parallel=ParallelConf(strategy="3d"))))
+    yield
+    parallel_state.destroy_model_parallel()
+    destroy_num_microbatches_calculator()
+    torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)

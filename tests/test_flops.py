@@ -14,7 +14,6 @@ padded batch must be ``a * sum(L) + b * sum(L (L + 1) / 2)`` over the real lengt
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -42,26 +41,6 @@ def _config(*, text_tokens: int = 65, decoder: dict | None = None, **groups) -> 
     model = ModelConf(text_tokens=text_tokens, decoder=DecoderConf(**(decoder or {})))
     return RunConfig(model=model, batch=BatchConf(mbs=MBS, gbs=MBS), parallel=ParallelConf(strategy="3d"),
                      **groups)
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    """Megatron's parallel state for a world of one, once for the module (torch.distributed on gloo)."""
-    from megatron.core import parallel_state
-    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-
-    from moe_vlm_sweep.train import cpu_compat
-    from moe_vlm_sweep.train.worker import init_distributed
-
-    env = dict(os.environ)
-    cpu_compat.apply()
-    init_distributed(make_plan(_config()))
-    yield
-    parallel_state.destroy_model_parallel()
-    destroy_num_microbatches_calculator()
-    torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
 
 
 def _components(counter: FlopCounterMode) -> dict[str, int]:

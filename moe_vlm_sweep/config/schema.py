@@ -292,6 +292,9 @@ class DataConf:
     padding, so padding is real."""
     fixed_batch: bool = False
     """Repeat one batch every step (to check that the model learns)."""
+    packing: bool = False
+    """Run each micro-batch's samples back to back in one THD row, without padding (TE attention splits it per
+    sample): the same samples, so realism is unchanged, and the decoder computes on real tokens only."""
     seed: int = 0
     shards: Optional[str] = None
     """``data.name=webdataset`` only: the ``.tar`` shards, as a brace pattern (``/d/cc3m-{000000..000099}.tar``),
@@ -303,6 +306,20 @@ class DataConf:
         _choice("data.realism", self.realism, ("mock_text", "synthetic_images", "real_images"))
         if not 0.0 < self.min_text_fraction <= 1.0:
             raise ConfigFieldError(f"data.min_text_fraction={self.min_text_fraction} must be in (0, 1]")
+
+
+def shortest_decoder_sample(model: ModelConf, data: DataConf) -> int:
+    """The fewest real decoder tokens one sample of ``data`` can have, so a packed micro-batch holds at least
+    ``mbs`` times this. Synthetic rows draw at least ``min_text_fraction`` of their row (mock_text's row is
+    ``model.seq_length`` text ids, no images); a real caption can be as short as the 2 text ids every sample
+    needs."""
+    images = 0 if data.name == "mock_text" else model.images_per_sample
+    if data.name == "webdataset":
+        ids = images + 2
+    else:
+        row = model.seq_length if data.name == "mock_text" else model.text_tokens
+        ids = min(row, max(round(data.min_text_fraction * row), images + 2))
+    return ids + images * (model.image_tokens - 1)
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,7 @@ together): ``mock_text`` (no images), ``synthetic_images`` (random pixels), ``we
 from __future__ import annotations
 
 from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf
-from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX, BatchSource, MicroBatch
+from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX, BatchSource, MicroBatch, Packed
 from moe_vlm_sweep.data.mock_text import MockText
 from moe_vlm_sweep.data.synthetic import SyntheticImages
 
@@ -13,7 +13,8 @@ __all__ = ["IMAGE_TOKEN_INDEX", "BatchSource", "MicroBatch", "MockText", "Synthe
 
 def make_source(model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
                 dp_size: int = 1) -> BatchSource:
-    """The source ``data.name`` selects; refuses a ``data.realism`` that is not the source's own."""
+    """The source ``data.name`` selects, packed under ``data.packing``; refuses a ``data.realism`` that is not
+    the source's own."""
     if data.name == "webdataset":  # imported here: only this source needs the webdataset package
         from moe_vlm_sweep.data.webdataset_shards import WebDatasetShards
 
@@ -25,4 +26,4 @@ def make_source(model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_r
     if data.realism != source.realism:
         raise ConfigFieldError(f"data.realism={data.realism!r} must be {source.realism!r} for "
                                f"data.name={data.name!r}: a run's realism is its source's, never relabelled")
-    return source
+    return Packed(source) if data.packing else source

@@ -2,13 +2,14 @@
 
 Each sample is ``[<image> x images, text..., pad...]``: LLaVA replaces each ``<image>`` id (-200) by the image's
 tokens, so a sample with ``n`` real text ids is ``n + images * (image_tokens - 1)`` real decoder tokens, and the
-rest of the row is padding the model still computes on.
+rest of the row is padding the model still computes on, unless the micro-batch is packed (:func:`pack`): then its
+samples' real ids run back to back in one row that TE's THD attention splits at ``cu_seqlens``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -37,10 +38,16 @@ class MicroBatch:
     """[mbs]; real (non-padding) text ids per sample, image placeholders included."""
     image_tokens: int
     """Decoder tokens one image becomes."""
+    cu_seqlens: Optional[torch.Tensor] = None
+    """Packed micro-batches only: [mbs + 1] int32 offsets of each sample in the decoder row (images expanded)."""
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     @property
     def images_per_sample(self) -> int:
-        return self.images.shape[0] // self.input_ids.shape[0]
+        return self.images.shape[0] // self.text_lengths.shape[0]
 
     @property
     def decoder_lengths(self) -> torch.Tensor:
@@ -49,9 +56,10 @@ class MicroBatch:
 
     @property
     def padded_tokens(self) -> int:
-        """Decoder tokens of the rows as laid out: every sample is padded to the full sequence."""
-        samples, text = self.input_ids.shape
-        return samples * (text + self.images_per_sample * (self.image_tokens - 1))
+        """Decoder tokens of the rows as laid out: every sample padded to the full sequence, or packed without
+        padding."""
+        rows, text = self.input_ids.shape
+        return rows * text + self.images.shape[0] * (self.image_tokens - 1)
 
     @property
     def real_tokens(self) -> int:
@@ -67,7 +75,8 @@ class MicroBatch:
         moved = {name: getattr(self, name).to(device) for name in
                  ("input_ids", "labels", "loss_mask", "position_ids")}
         return MicroBatch(images=self.images.to(device, image_dtype), **moved, text_lengths=self.text_lengths,
-                          image_tokens=self.image_tokens)
+                          image_tokens=self.image_tokens,
+                          cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.to(device))
 
 
 class BatchSource(Protocol):
@@ -99,3 +108,35 @@ def layout(images: torch.Tensor, texts: Sequence[torch.Tensor], *, images_per_sa
     loss_mask = (positions >= images_per_sample) & (positions + 1 < lengths[:, None])
     return MicroBatch(images=images, input_ids=ids, labels=labels, loss_mask=loss_mask.float(),
                       position_ids=positions.clone(), text_lengths=lengths, image_tokens=image_tokens)
+
+
+def pack(mb: MicroBatch) -> MicroBatch:
+    """The micro-batch's samples back to back in one row, padding dropped (in-batch packing, as Megatron
+    Bridge's ``pack_sequences_in_batch``): the decoder computes on real tokens only.
+
+    Each sample keeps its own labels, loss mask and positions from 0; LLaVA expands every sample's image
+    placeholders in place and masks the loss of the text just before an image, so no sample predicts the next
+    one. ``cu_seqlens`` marks where each sample starts in the expanded row, for TE's THD attention.
+    """
+    if mb.packed:
+        raise ValueError("the micro-batch is already packed")
+    lengths = mb.text_lengths.tolist()
+
+    def joined(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([row[:n] for row, n in zip(rows, lengths)])[None]
+
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(mb.decoder_lengths, 0)
+    return MicroBatch(images=mb.images, input_ids=joined(mb.input_ids), labels=joined(mb.labels),
+                      loss_mask=joined(mb.loss_mask), position_ids=joined(mb.position_ids),
+                      text_lengths=mb.text_lengths, image_tokens=mb.image_tokens, cu_seqlens=cu_seqlens)
+
+
+class Packed:
+    """A source whose micro-batches are packed (``data.packing``); realism is the wrapped source's."""
+
+    def __init__(self, source: BatchSource):
+        self.source, self.realism = source, source.realism
+
+    def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:
+        return [pack(mb) for mb in self.source.step(step, num_microbatches)]

@@ -153,7 +153,7 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = LLaVAModel(
             language_transformer_config=lm, language_transformer_layer_spec=_decoder_spec(plan, lm, vp_stage),
-            language_vocab_size=m.decoder.vocab_size, language_max_sequence_length=plan.seq_length,
+            language_vocab_size=m.decoder.vocab_size, language_max_sequence_length=plan.decoder_row_length,
             vision_transformer_config=vis, vision_transformer_layer_spec=vit_spec,
             drop_vision_class_token=m.vision.kind == "clip", vision_projection_config=proj,
             vision_projection_layer_spec=_projector_spec(te), vision_projection_type=m.projector.kind,

@@ -6,7 +6,8 @@ Two counts per component, both from the step's actual batch (:class:`BatchTokens
   wasted work), causal attention over the real query-key pairs ``L (L + 1) / 2`` of each sample, top-k experts.
 - **executed** (``hardware``, the HFU numerator): what the kernels run. Decoder over every padded position,
   attention as the kernel computes it (the local ``DotProductAttention`` computes the full ``S x S`` square and
-  masks it; flash kernels skip masked tiles, counted as the causal triangle), plus recomputed forwards.
+  masks it; flash kernels skip masked tiles, counted as the causal triangle), plus recomputed forwards. A
+  packed batch (``data.packing``) has no padded positions: THD attention runs each sample's own triangle.
 
 Counting rules (a multiply-add is 2 FLOPs; only matmuls and the patch convolution count: norms, activations,
 softmax, RoPE, permutes and the loss are elementwise and ignored):
@@ -69,15 +70,19 @@ class BatchTokens:
     """Sum over samples of L (L + 1) / 2: the query-key pairs causal attention needs over the real tokens."""
     seq_length: int
     """Decoder tokens per sample as run (padding included, after LLaVA's sequence-shard padding)."""
+    packed: bool = False
+    """The samples ran back to back without padding (``data.packing``)."""
 
     @classmethod
-    def from_lengths(cls, lengths: Sequence[int], *, images: int, seq_length: int) -> "BatchTokens":
+    def from_lengths(cls, lengths: Sequence[int], *, images: int, seq_length: int,
+                     packed: bool = False) -> "BatchTokens":
         """From the real decoder length of each sample (``MicroBatch.decoder_lengths``)."""
         lengths = [int(n) for n in lengths]
         if any(not 0 < n <= seq_length for n in lengths):
             raise ValueError(f"decoder lengths {lengths} must lie in (0, seq_length={seq_length}]")
         return cls(samples=len(lengths), images=images, real_tokens=sum(lengths),
-                   real_attention_pairs=sum(n * (n + 1) // 2 for n in lengths), seq_length=seq_length)
+                   real_attention_pairs=sum(n * (n + 1) // 2 for n in lengths), seq_length=seq_length,
+                   packed=packed)
 
     @classmethod
     def unpadded(cls, *, samples: int, images: int, seq_length: int) -> "BatchTokens":
@@ -86,15 +91,23 @@ class BatchTokens:
 
     @property
     def padded_tokens(self) -> float:
-        return self.samples * self.seq_length
+        """Decoder positions the step computes on."""
+        return self.real_tokens if self.packed else self.samples * self.seq_length
+
+    def executed_attention_pairs(self, transformer_impl: str) -> float:
+        """Query-key pairs the step's attention kernels compute."""
+        if self.packed:  # TE's THD attention: each sample's own causal triangle (flash: masked tiles skipped)
+            return self.real_attention_pairs
+        return self.samples * executed_attention_pairs(self.seq_length, transformer_impl)
 
     @classmethod
     def mean(cls, batches: Sequence["BatchTokens"]) -> "BatchTokens":
         """The mean step: FLOPs and token counts are linear in every field, so they average with it."""
-        if not batches or len({b.seq_length for b in batches}) != 1:
-            raise ValueError(f"need steps of one seq_length, got {[b.seq_length for b in batches]}")
+        if not batches or len({(b.seq_length, b.packed) for b in batches}) != 1:
+            raise ValueError(f"need steps of one seq_length and packing, got "
+                             f"{[(b.seq_length, b.packed) for b in batches]}")
         return cls(**{name: sum(getattr(b, name) for b in batches) / len(batches) for name in SUMMED_FIELDS},
-                   seq_length=batches[0].seq_length)
+                   seq_length=batches[0].seq_length, packed=batches[0].packed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,9 +215,8 @@ def component_work(cfg: RunConfig, batch: BatchTokens, *, transformer_impl: str)
 
     d = m.decoder
     useful = decoder_forward_parts(d, tokens=batch.real_tokens, attention_pairs=batch.real_attention_pairs)
-    executed = decoder_forward_parts(
-        d, tokens=batch.padded_tokens,
-        attention_pairs=batch.samples * executed_attention_pairs(batch.seq_length, transformer_impl))
+    executed = decoder_forward_parts(d, tokens=batch.padded_tokens,
+                                     attention_pairs=batch.executed_attention_pairs(transformer_impl))
     recompute = _recomputed_forward(executed, d, cfg.recompute, stages=cfg.parallel.pp * cfg.parallel.vpp)
     # The decoder always trains and its embedding table sits before layer 0: backward is 2x everywhere.
     return {

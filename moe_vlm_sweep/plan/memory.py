@@ -18,7 +18,8 @@ term), after Korthikanti et al. 2022 adapted to GQA, SwiGLU experts and top-k ro
 megatron-core 0.19 with TE actually saves, source line by source line (the census of the H200 sweep:
 ``benchmarks/results/h200_small_s1664/``); divided by TP under sequence parallelism and by CP; selective
 recompute frees its modules' share, ``recompute=full`` keeps only each layer's input; frozen modules save none.
-The first pipeline stage holds up to ``pp`` micro-batches in flight (1F1B). At the peak, the loss's logits or a
+A packed micro-batch (``data.packing``) counts the fewest real tokens its samples can have. The first
+pipeline stage holds up to ``pp`` micro-batches in flight (1F1B). At the peak, the loss's logits or a
 recomputed layer come on top (``transient_bytes``). Every eager run measures the saved parts
 (``train/census.py``: ``metrics.json``'s ``saved_activations``), the evidence ``tests/test_memory.py`` holds the
 formula to.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_vlm_sweep.config.schema import DecoderConf, ModelConf, RunConfig
+from moe_vlm_sweep.config.schema import DecoderConf, ModelConf, RunConfig, shortest_decoder_sample
 from moe_vlm_sweep.plan.layout import layout_of, sharded_seq_length
 
 GIB = 2**30
@@ -175,9 +176,11 @@ def _fused(cfg: RunConfig, fusion: str) -> bool:
 
 
 def _decoder_tokens(cfg: RunConfig, seq_length: int) -> float:
-    """Decoder tokens of one micro-batch on one rank: split by CP, and by TP under sequence parallelism."""
+    """Decoder tokens of one micro-batch on one rank: split by CP, and by TP under sequence parallelism. Packed
+    (``data.packing``), a micro-batch is its samples' real tokens, at least ``mbs`` of the data's shortest."""
     p = cfg.parallel
-    return cfg.batch.mbs * seq_length / p.cp / (p.tp if p.sp else 1)
+    per_sample = shortest_decoder_sample(cfg.model, cfg.data) if cfg.data.packing else seq_length
+    return cfg.batch.mbs * per_sample / p.cp / (p.tp if p.sp else 1)
 
 
 def static_bytes(cfg: RunConfig, dp: int, edp: int) -> float:

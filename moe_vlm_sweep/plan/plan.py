@@ -47,6 +47,12 @@ class RunPlan:
         return from_dict(RunConfig, self.config)
 
     @property
+    def decoder_row_length(self) -> int:
+        """The longest row the decoder may see: one sample's sequence, or a packed micro-batch's samples back to
+        back (LLaVA truncates its combined embedding to this)."""
+        return self.seq_length * (self.run_config.batch.mbs if self.run_config.data.packing else 1)
+
+    @property
     def graph_rng(self) -> str:
         """The RNG tracker CUDA graphs can capture: ``te`` (TE's tracker, with TE specs), ``cudagraphable``
         (megatron's, for ``local`` graphs without TE) or ``default`` (no per-layer graphs)."""
@@ -112,7 +118,9 @@ def describe(plan: RunPlan) -> str:
                   "micro-batches per step"),
         ("sequence", f"{plan.seq_length} decoder tokens/sample = {cfg.model.text_tokens} text + "
                      f"{cfg.model.images_per_sample} image(s) x {cfg.model.image_tokens} tokens - placeholders"),
-        ("tokens/step", f"{plan.tokens_per_step} (padded)"),
+        ("tokens/step", f"{plan.tokens_per_step} (padded)" + (
+            "; packed: each micro-batch runs its samples' real tokens back to back in one THD row"
+            if cfg.data.packing else "")),
         *([("memory", f">= {plan.predicted_peak_memory_gib:.1f} GiB per GPU (lower bound, plan/memory.py) of "
                       f"{cfg.hardware.memory_gib} GiB")] if plan.predicted_peak_memory_gib is not None else []),
         ("recompute", cfg.recompute.granularity + (f" {cfg.recompute.modules}" if cfg.recompute.modules else "")),

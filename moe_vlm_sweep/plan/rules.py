@@ -483,3 +483,35 @@ def pad_needs_capacity(cfg: RunConfig) -> Optional[str]:
     d = cfg.dispatcher
     if d.pad_to_capacity and d.capacity_factor is None:
         return "dispatcher.pad_to_capacity=true needs dispatcher.capacity_factor"
+
+
+# --- packed sequences --------------------------------------------------------------------------------------
+
+@rule
+def packing_needs_te(cfg: RunConfig) -> Optional[str]:
+    if cfg.data.packing and not _uses_te(cfg):
+        return ("data.packing=true needs Transformer Engine attention (THD format, split at cu_seqlens): "
+                "megatron-core's local DotProductAttention refuses packed_seq_params; run on GPU hardware")
+
+
+@rule
+def packing_excludes_cuda_graphs(cfg: RunConfig) -> Optional[str]:
+    if cfg.data.packing and cfg.cuda_graph.impl != "none":
+        return (f"data.packing=true with cuda_graph={cfg.cuda_graph.scope}: a graph replays the shapes it "
+                "captured, and a packed micro-batch's length is its samples' real tokens, new every micro-batch")
+
+
+@rule
+def packing_needs_unsharded_sequence(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if cfg.data.packing and (p.sp or p.cp > 1):
+        return (f"data.packing=true with parallel.sp={str(p.sp).lower()} cp={p.cp}: under SP or CP LLaVA pads "
+                "the packed row back to its longest length, and CP needs per-shard padded cu_seqlens, which "
+                "this worker does not build; use tp=1 and cp=1")
+
+
+@rule
+def packing_needs_one_stage(cfg: RunConfig) -> Optional[str]:
+    if cfg.data.packing and cfg.parallel.pp > 1:
+        return (f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "
+                "are shaped for seq_length x mbs, and a packed micro-batch's length changes every micro-batch")
