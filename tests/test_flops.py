@@ -29,6 +29,7 @@ from moe_vlm_sweep.config.schema import (
     RunConfig,
     VisionTrainingConf,
 )
+from moe_vlm_sweep.data.batch import pack
 from moe_vlm_sweep.data.synthetic import SyntheticImages
 from moe_vlm_sweep.metrics.schema import COMPONENTS
 from moe_vlm_sweep.model.flops import BatchTokens, component_work, step_flops
@@ -56,15 +57,19 @@ def _components(counter: FlopCounterMode) -> dict[str, int]:
 def _count(cfg: RunConfig, data: DataConf = DataConf()) -> tuple[dict, dict, BatchTokens]:
     """(forward, backward) FLOPs per component as FlopCounterMode counts them, and the batch's tokens."""
     from moe_vlm_sweep.model.build import build_model_chunks
+    from moe_vlm_sweep.train.loop import packed_inputs
 
     plan = make_plan(cfg)
     torch.manual_seed(0)
     model = build_model_chunks(plan)[0]
     mb = SyntheticImages(cfg.model, data, micro_batch_size=MBS).microbatch(0, 0)
+    if cfg.data.packing:
+        mb = pack(mb)
 
     def loss():
         per_token, mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
-                                attention_mask=None, labels=mb.labels, loss_mask=mb.loss_mask)
+                                labels=mb.labels, loss_mask=mb.loss_mask,
+                                **packed_inputs(mb, plan.seq_length, plan.transformer_impl))
         return (per_token * mask).sum()
 
     with FlopCounterMode(display=False) as forward:
@@ -73,7 +78,7 @@ def _count(cfg: RunConfig, data: DataConf = DataConf()) -> tuple[dict, dict, Bat
         loss().backward()
     fwd, total = _components(forward), _components(both)
     batch = BatchTokens.from_lengths(mb.decoder_lengths.tolist(), images=mb.images.shape[0],
-                                     seq_length=plan.seq_length)
+                                     seq_length=plan.seq_length, packed=mb.packed)
     return fwd, {k: total[k] - fwd[k] for k in fwd}, batch
 
 
@@ -88,6 +93,7 @@ CONFIGS = {
     "recompute_full": _config(recompute=RecomputeConf(granularity="full", method="uniform", num_layers=1)),
     "recompute_core_attn": _config(recompute=RecomputeConf(granularity="selective", modules=["core_attn"])),
     "dense_and_shared_experts": _config(decoder={"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 32}),
+    "packed": _config(data=DataConf(packing=True)),  # one row of real tokens, attention over its square, masked
 }
 
 
@@ -95,7 +101,7 @@ CONFIGS = {
 def test_executed_flops_match_flop_counter_per_component(name, megatron_world):
     cfg = CONFIGS[name]
     fwd, bwd, batch = _count(cfg)
-    assert batch.real_tokens < batch.padded_tokens  # the batch has real padding
+    assert batch.real_tokens < batch.samples * batch.seq_length  # the batch has real padding (dropped if packed)
     work = component_work(cfg, batch, transformer_impl="local")
     for component in COMPONENTS:
         # The acceptance bound is 2%; the count is exact, so it is held exact.

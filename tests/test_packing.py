@@ -1,11 +1,9 @@
-"""In-batch packing (``data.packing``): the layout, LLaVA's handling of a packed row, FLOPs and memory (its rules
-are tests/test_rules.py's cases).
+"""In-batch packing (``data.packing``): the layout, the packed row through LLaVA, FLOPs and memory (its training
+run is tests/test_training.py's, its rules tests/test_rules.py's cases).
 
-On the CPU the local attention refuses THD, so the model test runs the packed row without its boundaries and
-checks what does not depend on them: LLaVA places each sample's labels and loss mask where the padded batch has
-them, and the first sample, which attends to itself only, gets the padded batch's losses wherever the loss
-counts. The THD run
-itself is tests/test_gpu_graphs.py's, on the H200.
+On the CPU megatron's local attention keeps a packed row's samples apart with a block-causal mask; RoPE is
+relative, so each sample scores as it does alone and the packed model computes the padded model's losses. TE's
+THD attention does the same on the H200 (tests/test_gpu_graphs.py).
 """
 
 from __future__ import annotations
@@ -60,29 +58,46 @@ def test_packing_keeps_the_sources_realism():
     assert packed.packed and torch.equal(packed.input_ids, pack(padded).input_ids)
 
 
-def test_llava_places_a_packed_rows_labels_and_loss_mask_per_sample(megatron_world):
+def test_a_packed_row_through_llava_gives_every_sample_its_padded_losses(megatron_world):
     from moe_vlm_sweep.model.build import build_model_chunks
+    from moe_vlm_sweep.train.loop import packed_inputs
 
-    cfg = RunConfig(model=MODEL, batch=BatchConf(mbs=MBS, gbs=MBS), parallel=ParallelConf(strategy="3d"))
-    plan = make_plan(cfg)  # the rules refuse packing on the CPU: the packed model is built as the worker would
-    packed_plan = dataclasses.replace(plan, config={**plan.config, "data": {**plan.config["data"], "packing": True}})
-    assert packed_plan.decoder_row_length == MBS * plan.seq_length  # LLaVA must not truncate the packed row
+    cfg = RunConfig(model=MODEL, batch=BatchConf(mbs=MBS, gbs=MBS), parallel=ParallelConf(strategy="3d"),
+                    data=DataConf(packing=True))
+    plan = make_plan(cfg)
+    assert plan.decoder_row_length == MBS * plan.seq_length  # LLaVA must not truncate the packed row
     torch.manual_seed(0)
-    model = build_model_chunks(packed_plan)[0].eval()
+    model = build_model_chunks(plan)[0].eval()
     padded = _padded()
     packed = pack(padded)
+    assert packed_inputs(padded, plan.seq_length, "local") == {"attention_mask": None}
     with torch.no_grad():
-        outputs = [model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
-                         attention_mask=None, labels=mb.labels, loss_mask=mb.loss_mask) for mb in (padded, packed)]
+        outputs = [model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels,
+                         loss_mask=mb.loss_mask, **packed_inputs(mb, plan.seq_length, plan.transformer_impl))
+                   for mb in (padded, packed)]
     (padded_loss, padded_mask), (packed_loss, packed_mask) = outputs
-    cu = packed.cu_seqlens.tolist()
     lengths = padded.decoder_lengths.tolist()
-    assert packed_mask.shape == (1, cu[-1])
-    assert torch.equal(packed_mask[0], torch.cat([padded_mask[i, :n] for i, n in enumerate(lengths)]))
+    assert packed_mask.shape == (1, packed.cu_seqlens[-1])
     assert packed_mask.sum() == padded_mask.sum() > 0
-    first = slice(0, lengths[0])  # causal: the first sample sees only itself, packed or not
-    assert torch.allclose(packed_loss[0, first] * packed_mask[0, first], padded_loss[0, first] * padded_mask[0, first],
-                          rtol=1e-4, atol=1e-5)
+    # LLaVA puts each sample's labels and loss mask where the padded batch has them
+    assert torch.equal(packed_mask[0], torch.cat([padded_mask[i, :n] for i, n in enumerate(lengths)]))
+    counted = packed_mask[0].bool()
+    expected = torch.cat([padded_loss[i, :n] for i, n in enumerate(lengths)])
+    assert torch.allclose(packed_loss[0, counted], expected[counted], rtol=1e-4, atol=1e-5)
+    unmasked = model(images=packed.images, input_ids=packed.input_ids, position_ids=packed.position_ids,
+                     labels=packed.labels, loss_mask=packed.loss_mask, attention_mask=None)[0]
+    assert not torch.allclose(unmasked[0, counted], expected[counted], rtol=1e-3)  # the mask is what keeps them apart
+
+
+def test_block_causal_mask_hides_other_samples_and_later_tokens():
+    packed = pack(SyntheticImages(ModelConf(text_tokens=8, vision=dataclasses.replace(MODEL.vision, image_size=8,
+                                                                                     patch_size=4)),
+                                  DataConf(), micro_batch_size=2).microbatch(0, 0))
+    hidden = packed.block_causal_mask()[0, 0]
+    cu = packed.cu_seqlens.tolist()
+    for q in range(cu[-1]):
+        start = max(c for c in cu[:-1] if c <= q)
+        assert (~hidden[q]).nonzero().flatten().tolist() == list(range(start, q + 1))
 
 
 def test_packed_flops_execute_the_real_tokens_only():

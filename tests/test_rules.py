@@ -99,7 +99,6 @@ CASES: dict[str, tuple[list[str], str]] = {
     "flex_needs_gpu": (["dispatcher=flex_deepep"], "dispatcher=flex_deepep runs DeepEP CUDA kernels"),
     "deepep_needs_model_parallel": ([*GPU, "dispatcher=flex_deepep"], "dispatcher=flex_deepep needs parallel.tp*ep > 1"),
     "pad_needs_capacity": (["dispatcher.pad_to_capacity=true"], "dispatcher.pad_to_capacity=true needs"),
-    "packing_needs_te": (["data.packing=true"], "data.packing=true needs Transformer Engine attention"),
     "packing_excludes_cuda_graphs": ([*GPU, "data.packing=true", "cuda_graph=attn"],
                                      "data.packing=true with cuda_graph=attn: a graph replays the shapes"),
     "packing_needs_unsharded_sequence": ([*GPU, *T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true",

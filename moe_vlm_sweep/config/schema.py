@@ -293,8 +293,9 @@ class DataConf:
     fixed_batch: bool = False
     """Repeat one batch every step (to check that the model learns)."""
     packing: bool = False
-    """Run each micro-batch's samples back to back in one THD row, without padding (TE attention splits it per
-    sample): the same samples, so realism is unchanged, and the decoder computes on real tokens only."""
+    """Run each micro-batch's samples back to back in one row, without padding, split per sample by attention
+    (TE's THD format; megatron's local attention, a block-causal mask over the row): the same samples, so realism
+    is unchanged, and the decoder computes on real tokens only."""
     seed: int = 0
     shards: Optional[str] = None
     """``data.name=webdataset`` only: the ``.tar`` shards, as a brace pattern (``/d/cc3m-{000000..000099}.tar``),

@@ -3,7 +3,8 @@
 Each sample is ``[<image> x images, text..., pad...]``: LLaVA replaces each ``<image>`` id (-200) by the image's
 tokens, so a sample with ``n`` real text ids is ``n + images * (image_tokens - 1)`` real decoder tokens, and the
 rest of the row is padding the model still computes on, unless the micro-batch is packed (:func:`pack`): then its
-samples' real ids run back to back in one row that TE's THD attention splits at ``cu_seqlens``.
+samples' real ids run back to back in one row that attention splits at ``cu_seqlens`` (TE's THD format, or a
+block-causal mask for megatron's local attention).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ class MicroBatch:
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
+
+    def block_causal_mask(self) -> torch.Tensor:
+        """[1, 1, T, T] bool, True where a packed row's query may not see the key: another sample's, or a later
+        one. What megatron's local attention (no THD) needs to keep samples apart; RoPE is relative, so scores
+        within a sample do not depend on where the sample starts."""
+        sample = torch.repeat_interleave(torch.arange(len(self.cu_seqlens) - 1, device=self.cu_seqlens.device),
+                                         torch.diff(self.cu_seqlens))
+        position = torch.arange(len(sample), device=sample.device)
+        visible = (sample[:, None] == sample[None, :]) & (position[None, :] <= position[:, None])
+        return ~visible[None, None]
 
     @property
     def images_per_sample(self) -> int:
@@ -116,7 +127,7 @@ def pack(mb: MicroBatch) -> MicroBatch:
 
     Each sample keeps its own labels, loss mask and positions from 0; LLaVA expands every sample's image
     placeholders in place and masks the loss of the text just before an image, so no sample predicts the next
-    one. ``cu_seqlens`` marks where each sample starts in the expanded row, for TE's THD attention.
+    one. ``cu_seqlens`` marks where each sample starts in the expanded row, for the attention.
     """
     if mb.packed:
         raise ValueError("the micro-batch is already packed")

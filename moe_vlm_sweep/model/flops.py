@@ -27,6 +27,7 @@ the padded shapes, useful at the real ones. tests/test_flops.py checks executed 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -50,7 +51,7 @@ ACCOUNTING_NOTES = (
 )
 
 
-SUMMED_FIELDS = ("samples", "images", "real_tokens", "real_attention_pairs")
+SUMMED_FIELDS = ("samples", "images", "real_tokens", "real_attention_pairs", "packed_row_squares")
 """The BatchTokens fields that add up over micro-batches, data-parallel replicas and steps."""
 
 
@@ -68,6 +69,9 @@ class BatchTokens:
     """Decoder tokens that are not padding: real text plus every image's tokens (the effective tokens)."""
     real_attention_pairs: float
     """Sum over samples of L (L + 1) / 2: the query-key pairs causal attention needs over the real tokens."""
+    packed_row_squares: float = 0.0
+    """Sum over packed rows of T**2: the square megatron's local attention computes over a row of T tokens (and
+    masks block-causally). 0 for padded batches."""
     seq_length: int
     """Decoder tokens per sample as run (padding included, after LLaVA's sequence-shard padding)."""
     packed: bool = False
@@ -76,13 +80,14 @@ class BatchTokens:
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], *, images: int, seq_length: int,
                      packed: bool = False) -> "BatchTokens":
-        """From the real decoder length of each sample (``MicroBatch.decoder_lengths``)."""
+        """From the real decoder length of each sample (``MicroBatch.decoder_lengths``); packed, the samples of
+        one row (a micro-batch)."""
         lengths = [int(n) for n in lengths]
         if any(not 0 < n <= seq_length for n in lengths):
             raise ValueError(f"decoder lengths {lengths} must lie in (0, seq_length={seq_length}]")
         return cls(samples=len(lengths), images=images, real_tokens=sum(lengths),
-                   real_attention_pairs=sum(n * (n + 1) // 2 for n in lengths), seq_length=seq_length,
-                   packed=packed)
+                   real_attention_pairs=sum(n * (n + 1) // 2 for n in lengths),
+                   packed_row_squares=sum(lengths) ** 2 if packed else 0, seq_length=seq_length, packed=packed)
 
     @classmethod
     def unpadded(cls, *, samples: int, images: int, seq_length: int) -> "BatchTokens":
@@ -96,18 +101,24 @@ class BatchTokens:
 
     def executed_attention_pairs(self, transformer_impl: str) -> float:
         """Query-key pairs the step's attention kernels compute."""
-        if self.packed:  # TE's THD attention: each sample's own causal triangle (flash: masked tiles skipped)
-            return self.real_attention_pairs
+        if self.packed:  # local: each row's square, masked; TE's THD: each sample's triangle (masked tiles skipped)
+            return self.packed_row_squares if transformer_impl == "local" else self.real_attention_pairs
         return self.samples * executed_attention_pairs(self.seq_length, transformer_impl)
+
+    @classmethod
+    def total(cls, batches: Sequence["BatchTokens"]) -> "BatchTokens":
+        """The batches together (micro-batches of a step): every field adds up."""
+        if not batches or len({(b.seq_length, b.packed) for b in batches}) != 1:
+            raise ValueError(f"need batches of one seq_length and packing, got "
+                             f"{[(b.seq_length, b.packed) for b in batches]}")
+        return cls(**{name: sum(getattr(b, name) for b in batches) for name in SUMMED_FIELDS},
+                   seq_length=batches[0].seq_length, packed=batches[0].packed)
 
     @classmethod
     def mean(cls, batches: Sequence["BatchTokens"]) -> "BatchTokens":
         """The mean step: FLOPs and token counts are linear in every field, so they average with it."""
-        if not batches or len({(b.seq_length, b.packed) for b in batches}) != 1:
-            raise ValueError(f"need steps of one seq_length and packing, got "
-                             f"{[(b.seq_length, b.packed) for b in batches]}")
-        return cls(**{name: sum(getattr(b, name) for b in batches) / len(batches) for name in SUMMED_FIELDS},
-                   seq_length=batches[0].seq_length, packed=batches[0].packed)
+        total = cls.total(batches)
+        return dataclasses.replace(total, **{name: getattr(total, name) / len(batches) for name in SUMMED_FIELDS})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -488,13 +488,6 @@ def pad_needs_capacity(cfg: RunConfig) -> Optional[str]:
 # --- packed sequences --------------------------------------------------------------------------------------
 
 @rule
-def packing_needs_te(cfg: RunConfig) -> Optional[str]:
-    if cfg.data.packing and not _uses_te(cfg):
-        return ("data.packing=true needs Transformer Engine attention (THD format, split at cu_seqlens): "
-                "megatron-core's local DotProductAttention refuses packed_seq_params; run on GPU hardware")
-
-
-@rule
 def packing_excludes_cuda_graphs(cfg: RunConfig) -> Optional[str]:
     if cfg.data.packing and cfg.cuda_graph.impl != "none":
         return (f"data.packing=true with cuda_graph={cfg.cuda_graph.scope}: a graph replays the shapes it "

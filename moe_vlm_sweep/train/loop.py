@@ -144,23 +144,27 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
 
 
-def packed_seq_params(mb: MicroBatch, seq_length: int) -> Optional[PackedSeqParams]:
-    """THD boundaries of a packed micro-batch for TE's attention and RoPE, or None when it is padded.
+def packed_inputs(mb: MicroBatch, seq_length: int, transformer_impl: str) -> dict:
+    """How attention keeps a packed micro-batch's samples apart: TE's THD boundaries (``packed_seq_params``), or
+    a block-causal mask for megatron's local attention, which has no THD. Nothing for a padded micro-batch.
 
     ``max_seqlen`` is the planned sequence, an upper bound of every sample's, not the batch's own maximum: one
     value for every micro-batch, so the attention backend's kernel plan does not change from one to the next.
     """
     if not mb.packed:
-        return None
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
-                           max_seqlen_q=seq_length, max_seqlen_kv=seq_length)
+        return {"attention_mask": None}
+    if transformer_impl != "transformer_engine":
+        return {"attention_mask": mb.block_causal_mask()}
+    return {"attention_mask": None, "packed_seq_params": PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens, max_seqlen_q=seq_length,
+        max_seqlen_kv=seq_length)}
 
 
-def _forward_step(seq_length: int, data_iterator, model):
+def _forward_step(plan: RunPlan, data_iterator, model):
     mb: MicroBatch = next(data_iterator)
     output, loss_mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
-                              attention_mask=None, labels=mb.labels, loss_mask=mb.loss_mask,
-                              packed_seq_params=packed_seq_params(mb, seq_length))
+                              labels=mb.labels, loss_mask=mb.loss_mask,
+                              **packed_inputs(mb, plan.seq_length, plan.transformer_impl))
     return output, partial(_loss_func, loss_mask)
 
 
@@ -240,7 +244,7 @@ class Trainer:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._losses = self.forward_backward(
-            forward_step_func=partial(_forward_step, self.plan.seq_length),
+            forward_step_func=partial(_forward_step, self.plan),
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.models, num_microbatches=self.plan.num_microbatches, seq_length=self.plan.seq_length,
             micro_batch_size=self.cfg.batch.mbs, decoder_seq_length=self.plan.seq_length, forward_only=False)
@@ -259,9 +263,9 @@ class Trainer:
         if self.loss_owner:
             for reduced in self._losses:
                 loss += reduced["lm loss"].detach().to("cpu", torch.float64)
-        local = BatchTokens.from_lengths([n for mb in microbatches for n in mb.decoder_lengths.tolist()],
-                                         images=sum(mb.images.shape[0] for mb in microbatches),
-                                         seq_length=self.plan.seq_length, packed=self.cfg.data.packing)
+        local = BatchTokens.total([BatchTokens.from_lengths(mb.decoder_lengths.tolist(), images=mb.images.shape[0],
+                                                            seq_length=self.plan.seq_length, packed=mb.packed)
+                                   for mb in microbatches])
         # Summed over replicas in float64: exact up to 2**53 (attention pairs grow as gbs * seq_length**2 / 2).
         counts = torch.tensor([getattr(local, name) for name in SUMMED_FIELDS], dtype=torch.float64)
         first_of_replica = (parallel_state.get_tensor_model_parallel_rank() == 0
