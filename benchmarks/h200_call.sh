@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | mbs96 | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -10,7 +10,7 @@
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   s1664=N   the same for h200_small_s1664 (model=small, 3D, 1664 decoder tokens, MBS 32-96, GBS 192)
 #   fused=N   the same for h200_small_fused (s1664 with the fused SwiGLU and the unfused loss, MBS 64-96)
-#   packed=N  the same for h200_small_packed (fused, GBS 384, MBS 96-128, with and without data.packing)
+#   packed=N  the same for h200_small_packed (h200_small_fused with and without data.packing, MBS 64-96)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported
 #   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes and packed THD rows train like eager,
 #             eager runs a census); gputests=EXPR runs those pytest -k EXPR selects
@@ -22,6 +22,9 @@
 #   mbs96     the study's best (MBS 64, eager, GBS 192) against MBS 96 with the fused SwiGLU and the unfused loss,
 #             which take back the expert activations' copies and the loss's fp32 logits (plan/memory.py: 111.4 GiB
 #             against 130.9 GiB with the fused loss)
+#   packing   packed micro-batches past MBS 96, which the padded ones could not fit (MBS 112 ran out of memory):
+#             packed MBS 96, 128 and 160 (eager, fused SwiGLU, unfused loss; two micro-batches a step each;
+#             plan/memory.py's lower bounds 84.4, 108.1 and 131.8 GiB)
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
@@ -101,6 +104,13 @@ for step in "$@"; do
       timeout 260 python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 >> "$OUT/confirm.log" 2>&1
       stop_orphans
       tail -12 "$OUT/confirm.log" ;;
+    packing)  # about 100 s a config
+      timeout 340 python3 benchmarks/compare_configs.py --outputs /tmp/packing --out "$OUT/h200_packing.json" \
+        --common "${C/batch.gbs=32 /} train.timeout_s=200 parallel=3d cuda_graph=none $S data.packing=true \
+          fusions.bias_activation=true fusions.cross_entropy=false" \
+        --config packed_mbs96="batch.mbs=96 batch.gbs=192" --config packed_mbs128="batch.mbs=128 batch.gbs=256" \
+        --config packed_mbs160="batch.mbs=160 batch.gbs=320"
+      stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \
         --common "$C" --config baseline_fsdp_mbs8="parallel=fsdp batch.mbs=8 cuda_graph=none" \
@@ -119,7 +129,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions /tmp/mbs96 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

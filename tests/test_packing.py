@@ -89,6 +89,18 @@ def test_a_packed_row_through_llava_gives_every_sample_its_padded_losses(megatro
     assert not torch.allclose(unmasked[0, counted], expected[counted], rtol=1e-3)  # the mask is what keeps them apart
 
 
+def test_te_gets_the_rows_thd_boundaries_and_no_mask():
+    from moe_vlm_sweep.train.loop import packed_inputs
+
+    packed = pack(_padded())
+    inputs = packed_inputs(packed, 1664, "transformer_engine")
+    params = inputs["packed_seq_params"]
+    assert inputs["attention_mask"] is None and params.qkv_format == "thd"
+    assert params.cu_seqlens_q is packed.cu_seqlens and params.cu_seqlens_kv is packed.cu_seqlens
+    assert (params.max_seqlen_q, params.max_seqlen_kv) == (1664, 1664)  # the plan's, the same every micro-batch
+    assert packed_inputs(_padded(), 1664, "transformer_engine") == {"attention_mask": None}
+
+
 def test_block_causal_mask_hides_other_samples_and_later_tokens():
     packed = pack(SyntheticImages(ModelConf(text_tokens=8, vision=dataclasses.replace(MODEL.vision, image_size=8,
                                                                                      patch_size=4)),
