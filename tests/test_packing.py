@@ -99,6 +99,9 @@ def test_te_gets_the_rows_thd_boundaries_and_no_mask():
     assert params.cu_seqlens_q is packed.cu_seqlens and params.cu_seqlens_kv is packed.cu_seqlens
     assert (params.max_seqlen_q, params.max_seqlen_kv) == (1664, 1664)  # the plan's, the same every micro-batch
     assert packed_inputs(_padded(), 1664, "transformer_engine") == {"attention_mask": None}
+    longest = int(packed.decoder_lengths.max())
+    with pytest.raises(ValueError, match=f"a packed sample has {longest} decoder tokens"):
+        packed_inputs(packed, longest - 1, "transformer_engine")  # RoPE's table would be too short
 
 
 def test_block_causal_mask_hides_other_samples_and_later_tokens():

@@ -9,7 +9,7 @@ import pytest
 
 from moe_vlm_sweep.cli import EXIT_INVALID, main
 from moe_vlm_sweep.config.compose import compose_run_config
-from moe_vlm_sweep.plan.rules import RULES, graphs_unfuse_attention
+from moe_vlm_sweep.plan.rules import RULES, graphs_unfuse_attention, packing_unfuses_attention
 
 T2 = ["launcher=torchrun", "launcher.nproc_per_node=2"]
 GPU = ["hardware=h200"]
@@ -191,6 +191,23 @@ def test_graphed_attention_needs_a_cudnn_that_keeps_it_fused(overrides, cudnn, r
         assert "(1599 decoder tokens) and runs unfused attention" in message
         assert "set model.text_tokens=1089 (1664 decoder tokens)" in message
     assert graphs_unfuse_attention(cfg, cudnn, flash_attn=True) is None  # TE would take flash-attn instead
+
+
+@pytest.mark.parametrize("overrides, cudnn, refused", [
+    (["data.packing=true"], 90500, True),                                  # model=small has GQA: needs 9.6.0
+    (["data.packing=true"], 90600, False),
+    (["data.packing=true", "model.decoder.num_query_groups=16"], 90500, False),  # without GQA 9.1.0 does
+    (["data.packing=true", "model.decoder.num_query_groups=16"], 90000, True),
+    (["data.packing=false"], 90000, False),
+])
+def test_packed_attention_needs_a_cudnn_that_takes_thd(overrides, cudnn, refused):
+    cfg = compose_run_config(["model=small", "hardware=h200", "parallel=3d", "batch.mbs=16", "batch.gbs=32",
+                              *overrides])
+    message = packing_unfuses_attention(cfg, cudnn)
+    assert (message is not None) == refused, message
+    if refused:
+        assert "data.packing=true runs THD attention" in message and "falls back to unfused attention" in message
+    assert packing_unfuses_attention(cfg, cudnn, flash_attn=True) is None
 
 
 @pytest.mark.parametrize("tp, text_tokens, suggested", [

@@ -163,6 +163,9 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
             patch_dim=m.vision.patch_size, image_token_index=IMAGE_TOKEN_INDEX,
             pixel_shuffle=m.vision.spatial_merge == 2, vp_stage=vp_stage,
         )
+        if model.img_seq_len != m.image_tokens:  # the data lays out (and packing offsets) image_tokens per image
+            raise ValueError(f"LLaVA expands an image to {model.img_seq_len} tokens, but model.image_tokens is "
+                             f"{m.image_tokens}: the data layout and the FLOPs would not match the model")
         model.freeze(freeze_language_model=False, freeze_vision_model=cfg.vision.freeze_encoder,
                      freeze_vision_projection=cfg.vision.freeze_projector)
         model.model_type = ModelType.encoder_or_decoder  # the pipeline schedules raise without it

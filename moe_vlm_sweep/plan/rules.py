@@ -402,6 +402,11 @@ def te_graphs_need_te_specs(cfg: RunConfig) -> Optional[str]:
                 "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)")
 
 
+def _cudnn(version: int) -> str:
+    """A cuDNN version as TE and cudnnGetVersion encode it (91501), as people write it (9.15.1)."""
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
 CUDNN_GRAPHED_ATTENTION_FIX = 91501
 """The cuDNN runtime (9.15.1, encoded as TE and cudnnGetVersion do) from which TE keeps fused attention inside
 CUDA-graph capture whatever the sequence length (``nvte_get_fused_attn_backend``, TE 2.20)."""
@@ -425,7 +430,7 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
     step = math.lcm(multiple, factor)
     fixed = -(-cfg.model.seq_length // step) * step  # the padded length to reach; padding adds up to factor - 1
     text_tokens = cfg.model.text_tokens + max(0, fixed - factor + 1 - cfg.model.seq_length)
-    version = f"{cudnn_version // 10000}.{cudnn_version // 100 % 100}.{cudnn_version % 100}"
+    version = _cudnn(cudnn_version)
     if cp == 1:
         lengths = f"{seq} decoder tokens" + (f", {cfg.model.seq_length} padded for SP" if seq != cfg.model.seq_length
                                               else "")
@@ -500,7 +505,7 @@ def packing_needs_unsharded_sequence(cfg: RunConfig) -> Optional[str]:
     if cfg.data.packing and (p.sp or p.cp > 1):
         return (f"data.packing=true with parallel.sp={str(p.sp).lower()} cp={p.cp}: under SP or CP LLaVA pads "
                 "the packed row back to its longest length, and CP needs per-shard padded cu_seqlens, which "
-                "this worker does not build; use tp=1 and cp=1")
+                "this worker does not build; use tp=1 (MoE with tp > 1 needs SP) and cp=1")
 
 
 @rule
@@ -508,3 +513,22 @@ def packing_needs_one_stage(cfg: RunConfig) -> Optional[str]:
     if cfg.data.packing and cfg.parallel.pp > 1:
         return (f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "
                 "are shaped for seq_length x mbs, and a packed micro-batch's length changes every micro-batch")
+
+
+CUDNN_THD = {True: 90600, False: 90100}
+"""The cuDNN runtime from which TE's fused attention takes THD rows on sm90, with GQA (True) or without: below it
+TE 2.20 falls back to unfused attention, which pads the row back to [mbs, max_seqlen] and scores it whole."""
+
+
+def packing_unfuses_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> Optional[str]:
+    """Not a registered rule: the worker's preflight passes the runtime cuDNN and whether flash-attn (whose varlen
+    kernels take THD too) is installed. A packed run on an unfused fallback would measure the fallback, not
+    packing, and may not fit: at MBS 96 the scores alone take gigabytes per layer."""
+    d = cfg.model.decoder
+    gqa = d.num_query_groups < d.num_attention_heads
+    needed = CUDNN_THD[gqa]
+    if not cfg.data.packing or not _uses_te(cfg) or flash_attn or cudnn_version >= needed:
+        return None
+    return (f"data.packing=true runs THD attention, which TE's fused attention takes from cuDNN {_cudnn(needed)}"
+            f"{' with GQA' if gqa else ''}; with cuDNN {_cudnn(cudnn_version)} TE falls back to unfused attention "
+            "over the row padded back to [mbs, max_seqlen]: upgrade cuDNN, install flash-attn, or data.packing=false")

@@ -153,6 +153,9 @@ def packed_inputs(mb: MicroBatch, seq_length: int, transformer_impl: str) -> dic
     """
     if not mb.packed:
         return {"attention_mask": None}
+    if int(mb.decoder_lengths.max()) > seq_length:  # RoPE's table has seq_length rows; nothing else would check
+        raise ValueError(f"a packed sample has {int(mb.decoder_lengths.max())} decoder tokens, more than the "
+                         f"plan's seq_length={seq_length}")
     if transformer_impl != "transformer_engine":
         return {"attention_mask": mb.block_causal_mask()}
     return {"attention_mask": None, "packed_seq_params": PackedSeqParams(

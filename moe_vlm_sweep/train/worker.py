@@ -76,12 +76,13 @@ def preflight(plan: RunPlan) -> None:
     if plan.transformer_impl == "transformer_engine" and plan.device == "cuda" and not problems:
         from transformer_engine.pytorch.utils import get_cudnn_version
 
-        from moe_vlm_sweep.plan.rules import graphs_unfuse_attention
+        from moe_vlm_sweep.plan.rules import graphs_unfuse_attention, packing_unfuses_attention
 
         major, minor, patch = get_cudnn_version()
         flash_attn = importlib.util.find_spec("flash_attn") is not None
-        if message := graphs_unfuse_attention(cfg, major * 10000 + minor * 100 + patch, flash_attn):
-            problems.append(message)
+        for machine_rule in (graphs_unfuse_attention, packing_unfuses_attention):
+            if message := machine_rule(cfg, major * 10000 + minor * 100 + patch, flash_attn):
+                problems.append(message)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.layout.world_size:
         problems.append(f"the plan's layout needs world_size={plan.layout.world_size} processes "
