@@ -108,6 +108,8 @@ LAYOUTS = {
     "tp2_sp": ["parallel=3d", "parallel.tp=2", "parallel.sp=true"],
     "pp2": ["parallel=3d", "parallel.pp=2"],
     "fsdp_dp2": ["parallel=fsdp", "parallel.fsdp_sharding=optim_grads_params"],
+    # packed rows of a different length on each rank, their tokens exchanged between the two ranks' experts
+    "ep2_packed": ["parallel=3d", "parallel.ep=2", "data.packing=true"],
 }
 
 
@@ -138,8 +140,12 @@ def test_two_process_layouts_train(name, run_cli):
     metrics = read_json(run_dir / "metrics.json")
     layout = metrics["layout"]
     assert layout["world_size"] == 2
-    expected = {"ep2": ("ep", 2), "tp2_sp": ("tp", 2), "pp2": ("pp", 2), "fsdp_dp2": ("dp", 2)}[name]
+    expected = {"ep2": ("ep", 2), "tp2_sp": ("tp", 2), "pp2": ("pp", 2), "fsdp_dp2": ("dp", 2),
+                "ep2_packed": ("ep", 2)}[name]
     assert layout[expected[0]] == expected[1]
+    # default data has padding, which only packing drops (the padded count is an int of the steps' mean)
+    packed = abs(metrics["real_tokens_per_step"] - metrics["padded_tokens_per_step"]) < 1
+    assert packed == name.endswith("_packed")
     assert all(v == v and v > 0 for v in metrics["loss"]["values"])
     assert metrics["tokens_per_s_per_gpu"] > 0
     census = metrics["saved_activations"]  # rank 0's: the first pipeline stage, with every micro-batch in flight
