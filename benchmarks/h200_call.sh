@@ -23,8 +23,8 @@
 #             which take back the expert activations' copies and the loss's fp32 logits (plan/memory.py: 111.4 GiB
 #             against 130.9 GiB with the fused loss)
 #   packing   packed micro-batches past MBS 96, which the padded ones could not fit (MBS 112 ran out of memory):
-#             packed MBS 96, 128 and 160 (eager, fused SwiGLU, unfused loss; two micro-batches a step each;
-#             plan/memory.py's lower bounds 84.4, 108.1 and 131.8 GiB)
+#             packed MBS 96, 112 and 128 (eager, fused SwiGLU, unfused loss; two micro-batches a step each). A
+#             packed micro-batch averages about 84% of the padded tokens, so MBS 128 holds about padded MBS 108
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
@@ -58,9 +58,9 @@ for step in "$@"; do
       grep -h -i "disabling\|Running with .*backend" /tmp/graphs/runs/*/worker.log | sort | uniq -c | head -20
       stop_orphans ;;
     gputests|gputests=*)
-      select=(); [[ $step == gputests=* ]] && select=(-k "${step#gputests=}")
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py "${select[@]}" 2>&1 | tail -15 \
-        | tee "$OUT/gputests.txt"
+      only=(); [[ $step == gputests=* ]] && only=(-k "${step#gputests=}")
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py ${only[@]+"${only[@]}"} 2>&1 \
+        | tail -15 | tee "$OUT/gputests.txt"
       stop_orphans ;;
     census)  # about 60 s a config
       timeout 200 python3 benchmarks/compare_configs.py --outputs /tmp/census --out "$OUT/h200_census.json" \
@@ -108,8 +108,8 @@ for step in "$@"; do
       timeout 340 python3 benchmarks/compare_configs.py --outputs /tmp/packing --out "$OUT/h200_packing.json" \
         --common "${C/batch.gbs=32 /} train.timeout_s=200 parallel=3d cuda_graph=none $S data.packing=true \
           fusions.bias_activation=true fusions.cross_entropy=false" \
-        --config packed_mbs96="batch.mbs=96 batch.gbs=192" --config packed_mbs128="batch.mbs=128 batch.gbs=256" \
-        --config packed_mbs160="batch.mbs=160 batch.gbs=320"
+        --config packed_mbs96="batch.mbs=96 batch.gbs=192" --config packed_mbs112="batch.mbs=112 batch.gbs=224" \
+        --config packed_mbs128="batch.mbs=128 batch.gbs=256"
       stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \

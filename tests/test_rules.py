@@ -104,6 +104,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "packing_needs_unsharded_sequence": ([*GPU, *T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true",
                                           "data.packing=true"],
                                          "data.packing=true with parallel.sp=true cp=1"),
+    "packing_on_local_specs_needs_unfused_softmax": ([*GPU, "train.transformer_impl=local", "data.packing=true"],
+                                                     "needs fusions.masked_softmax=false"),
     "packing_needs_one_stage": ([*GPU, "launcher=torchrun", "launcher.nproc_per_node=2", "parallel=3d",
                                  "parallel.pp=2", "data.packing=true"], "data.packing=true with parallel.pp=2"),
 }

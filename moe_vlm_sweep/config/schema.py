@@ -310,17 +310,20 @@ class DataConf:
             raise ConfigFieldError(f"data.min_text_fraction={self.min_text_fraction} must be in (0, 1]")
 
 
+MIN_TEXT_IDS = 2
+"""Text ids every sample carries after its image placeholders: one real label needs an id to predict it from."""
+
+
 def shortest_decoder_sample(model: ModelConf, data: DataConf) -> int:
     """The fewest real decoder tokens one sample of ``data`` can have, so a packed micro-batch holds at least
     ``mbs`` times this. Synthetic rows draw at least ``min_text_fraction`` of their row (mock_text's row is
-    ``model.seq_length`` text ids, no images); a real caption can be as short as the 2 text ids every sample
-    needs."""
+    ``model.seq_length`` text ids, no images); a real caption can be as short as ``MIN_TEXT_IDS``."""
     images = 0 if data.name == "mock_text" else model.images_per_sample
     if data.name == "webdataset":
-        ids = images + 2
+        ids = images + MIN_TEXT_IDS
     else:
         row = model.seq_length if data.name == "mock_text" else model.text_tokens
-        ids = min(row, max(round(data.min_text_fraction * row), images + 2))
+        ids = min(row, max(round(data.min_text_fraction * row), images + MIN_TEXT_IDS))
     return ids + images * (model.image_tokens - 1)
 
 

@@ -14,6 +14,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from moe_vlm_sweep.config.schema import MIN_TEXT_IDS
+
 IMAGE_TOKEN_INDEX = -200
 """LLaVA's image placeholder id (megatron.core.models.multimodal.llava_model.DEFAULT_IMAGE_TOKEN_INDEX)."""
 PAD_TOKEN_ID = 0
@@ -28,13 +30,14 @@ class MicroBatch:
     images: torch.Tensor
     """[mbs * images_per_sample, 3, image_size, image_size], sample-major; no rows for text-only data."""
     input_ids: torch.Tensor
-    """[mbs, text_tokens]; image placeholders first, then text, then padding."""
+    """[mbs, text_tokens]; image placeholders first, then text, then padding. Packed: [1, the samples' real ids]."""
     labels: torch.Tensor
-    """[mbs, text_tokens]; labels[i] = input_ids[i + 1] (the last one is padding)."""
+    """Shaped as input_ids; labels[i] = input_ids[i + 1] within a sample (its last one is padding)."""
     loss_mask: torch.Tensor
-    """[mbs, text_tokens] float; 1 where labels[i] is a real text token."""
+    """Shaped as input_ids, float; 1 where labels[i] is a real text token."""
     position_ids: torch.Tensor
-    """[mbs, text_tokens]; RoPE positions are recomputed by the decoder, these only feed the embedding."""
+    """Shaped as input_ids, from 0 in each sample; RoPE positions are recomputed by the decoder, these only feed
+    the embedding."""
     text_lengths: torch.Tensor
     """[mbs]; real (non-padding) text ids per sample, image placeholders included."""
     image_tokens: int
@@ -107,8 +110,8 @@ def layout(images: torch.Tensor, texts: Sequence[torch.Tensor], *, images_per_sa
     """
     mbs = len(texts)
     lengths = torch.tensor([images_per_sample + len(t) for t in texts])
-    if (lengths > row_length).any() or (lengths < images_per_sample + 2).any():
-        raise ValueError(f"each sample needs 2 to {row_length - images_per_sample} text ids after "
+    if (lengths > row_length).any() or (lengths < images_per_sample + MIN_TEXT_IDS).any():
+        raise ValueError(f"each sample needs {MIN_TEXT_IDS} to {row_length - images_per_sample} text ids after "
                          f"{images_per_sample} image placeholders, got {[len(t) for t in texts]}")
     ids = torch.full((mbs, row_length), PAD_TOKEN_ID, dtype=torch.long)
     ids[:, :images_per_sample] = IMAGE_TOKEN_INDEX

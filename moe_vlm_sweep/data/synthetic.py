@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_vlm_sweep.config.schema import DataConf, ModelConf
+from moe_vlm_sweep.config.schema import MIN_TEXT_IDS, DataConf, ModelConf
 from moe_vlm_sweep.data.batch import FIRST_TEXT_ID, IMAGE_TOKEN_INDEX, PAD_TOKEN_ID, MicroBatch, layout
 
 __all__ = ["FIRST_TEXT_ID", "IMAGE_TOKEN_INDEX", "PAD_TOKEN_ID", "MicroBatch", "SyntheticImages", "SyntheticRows"]
@@ -22,9 +22,9 @@ class SyntheticRows:
 
     def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
                  images_per_sample: int, row_length: int):
-        if row_length < images_per_sample + 2:
-            raise ValueError(f"model.text_tokens={row_length} must leave room for "
-                             f"model.images_per_sample={images_per_sample} placeholders and 2 caption ids")
+        if row_length < images_per_sample + MIN_TEXT_IDS:
+            raise ValueError(f"model.text_tokens={row_length} must leave room for model.images_per_sample="
+                             f"{images_per_sample} placeholders and {MIN_TEXT_IDS} caption ids")
         self.model, self.data = model, data
         self.mbs, self.dp_rank = micro_batch_size, dp_rank
         self.images_per_sample, self.row_length = images_per_sample, row_length
@@ -36,7 +36,8 @@ class SyntheticRows:
         images = torch.rand(self.mbs * n_img, 3, size, size, generator=gen)
         room = self.row_length - n_img
         fractions = torch.empty(self.mbs).uniform_(self.data.min_text_fraction, 1.0, generator=gen)
-        lengths = (fractions * self.row_length).round().long().clamp(min=n_img + 2, max=self.row_length) - n_img
+        filled = (fractions * self.row_length).round().long().clamp(min=n_img + MIN_TEXT_IDS, max=self.row_length)
+        lengths = filled - n_img
         ids = torch.randint(FIRST_TEXT_ID, self.model.decoder.vocab_size, (self.mbs, room), generator=gen)
         return layout(images, [row[:n] for row, n in zip(ids, lengths)], images_per_sample=n_img,
                       row_length=self.row_length, image_tokens=self.model.image_tokens)

@@ -102,8 +102,9 @@ class Metrics:
     effective_tokens_per_s: float
     """Real (non-padding) decoder tokens per second over the world."""
     effective_tokens_per_s_per_gpu: float
-    padded_tokens_per_step: int
-    """Decoder positions the model computes on per step (every sample padded to the sequence as run)."""
+    padded_tokens_per_step: float
+    """Decoder positions the model computes on per step, mean over the measured steps: every sample padded to the
+    sequence as run, or, packed (``data.packing``), the real tokens only."""
     real_tokens_per_step: float
     """Real decoder tokens per step (text that is not padding plus image tokens), mean over the measured steps:
     ``effective_tokens_per_s = tokens_per_s * real_tokens_per_step / padded_tokens_per_step``."""

@@ -73,7 +73,8 @@ class BatchTokens:
     """Sum over packed rows of T**2: the square megatron's local attention computes over a row of T tokens (and
     masks block-causally). 0 for padded batches."""
     seq_length: int
-    """Decoder tokens per sample as run (padding included, after LLaVA's sequence-shard padding)."""
+    """Decoder tokens per sample as planned (padding included, after LLaVA's sequence-shard padding); packed, an
+    upper bound of every sample's."""
     packed: bool = False
     """The samples ran back to back without padding (``data.packing``)."""
 

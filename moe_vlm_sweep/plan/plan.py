@@ -119,7 +119,8 @@ def describe(plan: RunPlan) -> str:
         ("sequence", f"{plan.seq_length} decoder tokens/sample = {cfg.model.text_tokens} text + "
                      f"{cfg.model.images_per_sample} image(s) x {cfg.model.image_tokens} tokens - placeholders"),
         ("tokens/step", f"{plan.tokens_per_step} (padded)" + (
-            "; packed: each micro-batch runs its samples' real tokens back to back in one THD row"
+            "; packed: each micro-batch runs its samples' real tokens back to back in one row ("
+            + ("THD" if plan.transformer_impl == "transformer_engine" else "block-causal mask") + ")"
             if cfg.data.packing else "")),
         *([("memory", f">= {plan.predicted_peak_memory_gib:.1f} GiB per GPU (lower bound, plan/memory.py) of "
                       f"{cfg.hardware.memory_gib} GiB")] if plan.predicted_peak_memory_gib is not None else []),

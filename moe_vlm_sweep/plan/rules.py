@@ -509,6 +509,15 @@ def packing_needs_unsharded_sequence(cfg: RunConfig) -> Optional[str]:
 
 
 @rule
+def packing_on_local_specs_needs_unfused_softmax(cfg: RunConfig) -> Optional[str]:
+    if (cfg.data.packing and not _uses_te(cfg)
+            and cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")["masked_softmax"]):
+        return ("data.packing=true with train.transformer_impl=local needs fusions.masked_softmax=false: the "
+                "local attention keeps samples apart with a block-causal mask, and megatron's fused causal "
+                "softmax (ScaledUpperTriangMaskedSoftmax) ignores the mask, so samples would attend to each other")
+
+
+@rule
 def packing_needs_one_stage(cfg: RunConfig) -> Optional[str]:
     if cfg.data.packing and cfg.parallel.pp > 1:
         return (f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "

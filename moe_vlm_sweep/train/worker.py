@@ -195,7 +195,7 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
                               cv=statistics.pstdev(times) / mean if mean else 0.0, steps=times),
         tokens_per_s=padded / median, tokens_per_s_per_gpu=padded / median / world,
         effective_tokens_per_s=real / median, effective_tokens_per_s_per_gpu=real / median / world,
-        padded_tokens_per_step=int(padded), real_tokens_per_step=real, flops_per_step=flops,
+        padded_tokens_per_step=padded, real_tokens_per_step=real, flops_per_step=flops,
         model_tflops_per_s_per_gpu=model_tflops, hardware_tflops_per_s_per_gpu=hardware_tflops,
         mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
