@@ -314,16 +314,21 @@ MIN_TEXT_IDS = 2
 """Text ids every sample carries after its image placeholders: one real label needs an id to predict it from."""
 
 
+def row_layout(model: ModelConf, data: DataConf) -> tuple[int, int]:
+    """(image placeholders, ids) of each row ``data.name`` lays out: ``model.text_tokens`` ids after the model's
+    images, or, for mock_text, the multimodal run's whole decoder sequence as text and no images."""
+    if data.name == "mock_text":
+        return 0, model.seq_length
+    return model.images_per_sample, model.text_tokens
+
+
 def shortest_decoder_sample(model: ModelConf, data: DataConf) -> int:
     """The fewest real decoder tokens one sample of ``data`` can have, so a packed micro-batch holds at least
-    ``mbs`` times this. Synthetic rows draw at least ``min_text_fraction`` of their row (mock_text's row is
-    ``model.seq_length`` text ids, no images); a real caption can be as short as ``MIN_TEXT_IDS``."""
-    images = 0 if data.name == "mock_text" else model.images_per_sample
-    if data.name == "webdataset":
-        ids = images + MIN_TEXT_IDS
-    else:
-        row = model.seq_length if data.name == "mock_text" else model.text_tokens
-        ids = min(row, max(round(data.min_text_fraction * row), images + MIN_TEXT_IDS))
+    ``mbs`` times this. Synthetic rows draw at least ``min_text_fraction`` of their row; a real caption can be as
+    short as ``MIN_TEXT_IDS``."""
+    images, row = row_layout(model, data)
+    shortest = images + MIN_TEXT_IDS
+    ids = shortest if data.name == "webdataset" else min(row, max(round(data.min_text_fraction * row), shortest))
     return ids + images * (model.image_tokens - 1)
 
 

@@ -8,7 +8,7 @@ sets 1.0: mock loaders pack full sequences). Realism ``mock_text``: never ranked
 
 from __future__ import annotations
 
-from moe_vlm_sweep.config.schema import DataConf, ModelConf
+from moe_vlm_sweep.config.schema import DataConf, ModelConf, row_layout
 from moe_vlm_sweep.data.synthetic import SyntheticRows
 
 
@@ -16,5 +16,6 @@ class MockText(SyntheticRows):
     realism = "mock_text"
 
     def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0):
-        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, images_per_sample=0,
-                         row_length=model.seq_length)
+        images, row = row_layout(model, data)
+        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, images_per_sample=images,
+                         row_length=row)

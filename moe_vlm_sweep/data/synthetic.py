@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_vlm_sweep.config.schema import MIN_TEXT_IDS, DataConf, ModelConf
+from moe_vlm_sweep.config.schema import MIN_TEXT_IDS, DataConf, ModelConf, row_layout
 from moe_vlm_sweep.data.batch import FIRST_TEXT_ID, IMAGE_TOKEN_INDEX, PAD_TOKEN_ID, MicroBatch, layout
 
 __all__ = ["FIRST_TEXT_ID", "IMAGE_TOKEN_INDEX", "PAD_TOKEN_ID", "MicroBatch", "SyntheticImages", "SyntheticRows"]
@@ -52,5 +52,6 @@ class SyntheticImages(SyntheticRows):
     realism = "synthetic_images"
 
     def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0):
-        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-                         images_per_sample=model.images_per_sample, row_length=model.text_tokens)
+        images, row = row_layout(model, data)
+        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, images_per_sample=images,
+                         row_length=row)

@@ -21,7 +21,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf
+from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf, row_layout
 from moe_vlm_sweep.data.batch import FIRST_TEXT_ID, MicroBatch, layout
 
 IMAGE_KEYS = "jpg;jpeg;png"
@@ -81,15 +81,16 @@ class WebDatasetShards:
                                  f"({IMAGE_KEYS}) and a .txt caption")
 
     def microbatch(self) -> MicroBatch:
-        m, n_img = self.model, self.model.images_per_sample
-        room = m.text_tokens - n_img
+        m = self.model
+        n_img, row = row_layout(m, self.data)
+        room = row - n_img
         images, texts = [], []
         for _ in range(self.mbs):
             records = [next(self.records) for _ in range(n_img)]
             images += [to_pixels(image, m.vision.image_size) for image, _ in records]
             caption = " ".join(text.strip() for _, text in records)
             texts.append(caption_ids(caption, m.decoder.vocab_size)[:room])
-        return layout(torch.stack(images), texts, images_per_sample=n_img, row_length=m.text_tokens,
+        return layout(torch.stack(images), texts, images_per_sample=n_img, row_length=row,
                       image_tokens=m.image_tokens)
 
     def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:

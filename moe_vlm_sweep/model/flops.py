@@ -7,7 +7,8 @@ Two counts per component, both from the step's actual batch (:class:`BatchTokens
 - **executed** (``hardware``, the HFU numerator): what the kernels run. Decoder over every padded position,
   attention as the kernel computes it (the local ``DotProductAttention`` computes the full ``S x S`` square and
   masks it; flash kernels skip masked tiles, counted as the causal triangle), plus recomputed forwards. A
-  packed batch (``data.packing``) has no padded positions: THD attention runs each sample's own triangle.
+  packed batch (``data.packing``) has no padded positions: TE's THD attention runs each sample's own triangle,
+  the local one the whole packed row's square, masked block-causally.
 
 Counting rules (a multiply-add is 2 FLOPs; only matmuls and the patch convolution count: norms, activations,
 softmax, RoPE, permutes and the loss are elementwise and ignored):

@@ -284,7 +284,7 @@ class Trainer:
             raise NonFiniteLoss(f"loss is {value} at step {step}")
         result.losses.append(value)
         result.batches.append(BatchTokens(**{name: float(v) for name, v in zip(SUMMED_FIELDS, payload[2:])},
-                                          seq_length=self.plan.seq_length, packed=self.cfg.data.packing))
+                                          seq_length=self.plan.seq_length, packed=local.packed))
 
     def run(self, on_step: Callable[[int], None] = lambda step: None,
             trace_dir: Optional[Path] = None) -> TrainResult:
