@@ -15,7 +15,7 @@ import pytest
 from conftest import read_json
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch.lifeline import is_alive, start_ticks
-from moe_vlm_sweep.launch.local import launch
+from moe_vlm_sweep.launch.local import cuda_alloc_conf, launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.plan.plan import make_plan
@@ -116,3 +116,14 @@ def test_a_zombie_or_a_reused_pid_is_not_the_launcher():
         time.sleep(0.1)
     assert not is_alive(identity) and psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
     child.wait()
+
+
+@pytest.mark.parametrize("inherited, expandable, expected", [
+    (None, True, "expandable_segments:True"),
+    ("expandable_segments:True", False, "expandable_segments:False"),
+    ("garbage_collection_threshold:0.8,expandable_segments:False", True,
+     "garbage_collection_threshold:0.8,expandable_segments:True"),
+])
+def test_the_config_owns_the_allocators_expandable_segments(inherited, expandable, expected):
+    """The shell's other allocator settings pass through; its expandable_segments never decides a run's memory."""
+    assert cuda_alloc_conf(inherited, expandable) == expected

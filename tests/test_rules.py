@@ -23,6 +23,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "te_needs_gpu": (["train.transformer_impl=transformer_engine"], "train.transformer_impl=transformer_engine needs GPU"),
     "cuda_graphs_need_gpu": (["cuda_graph=attn"], "cuda_graph.impl=transformer_engine needs GPU hardware"),
     "fusions_need_gpu": (["fusions=on"], "fusions.bias_dropout=true needs GPU hardware"),
+    "allocator_setting_needs_gpu": (["train.expandable_segments=true"],
+                                    "train.expandable_segments=true configures the CUDA caching allocator"),
     "dense_layout_divides_world": (["launcher=torchrun", "launcher.nproc_per_node=3", "parallel=3d", "parallel.tp=2",
                                     "parallel.sp=true"], "parallel.tp*pp*cp=2*1*1=2 must divide the world size 3"),
     "expert_layout_divides_world": ([*T2, "parallel.ep=4"], "parallel.etp*ep*pp=1*4*1=4 must divide the world size 2"),

@@ -32,6 +32,7 @@ def test_tiny_run_writes_every_metric(run_cli):
     warmup = metrics["warmup_step_time_s"]
     assert len(warmup) == 2 and all(v > 0 for v in warmup) and wall["warmup"] >= sum(warmup)  # train.warmup_steps=2
     assert metrics["graphed_layers"] == 0
+    assert metrics["cuda_alloc_conf"].endswith("expandable_segments:False")  # the launcher's, from the config
     assert metrics["gc_in_measured_steps"] == {"count": 0, "seconds": 0.0}  # train.manual_gc, the default
     assert metrics["effective_tokens_per_s"] < metrics["tokens_per_s"]
     split = metrics["component_split"]

@@ -392,6 +392,12 @@ class TrainConf:
     """Collect Python's garbage once after the warmup steps, then keep the collector off until the run ends (as
     Megatron-LM's ``--manual-gc``), so no collection pause lands inside a timed step of a host-bound loop.
     ``metrics.json``'s ``gc_in_measured_steps`` says what the collector did inside them."""
+    expandable_segments: bool = False
+    """PyTorch's caching allocator grows its segments in place instead of carving new blocks
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, set by the launcher for the worker's processes), so
+    shapes that change every micro-batch (packed rows) and large transients (the loss's logits) leave no stranded
+    memory: the padded MBS 112 run on the H200 ran out of memory with 18.8 GiB reserved but unallocated
+    (``benchmarks/results/README.md``, sixth session). GPU only."""
     activation_census: bool = True
     """After the measured steps, one step counts the tensors autograd saves for backward, per part of the model
     (``train/census.py``): ``metrics.json``'s ``saved_activations``, next to the memory estimate's parts. Not with

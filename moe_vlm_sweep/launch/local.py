@@ -24,6 +24,15 @@ from moe_vlm_sweep.plan.plan import RunPlan
 
 WORKER_MODULE = "moe_vlm_sweep.train.worker"
 KILL_GRACE_S = 10.0
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def cuda_alloc_conf(inherited: str | None, expandable_segments: bool) -> str:
+    """The allocator settings the worker gets: the caller's own (a ``garbage_collection_threshold``, say) with
+    ``expandable_segments`` always as ``train.expandable_segments`` says, so a run never depends on the shell's
+    value of the one setting the config owns."""
+    kept = [item for item in (inherited or "").split(",") if item and not item.startswith("expandable_segments:")]
+    return ",".join([*kept, f"expandable_segments:{expandable_segments}"])
 
 
 def worker_command(plan: RunPlan, run_dir: Path) -> list[str]:
@@ -82,7 +91,8 @@ def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: 
 def launch(plan: RunPlan, run_dir: Path) -> RunResult:
     """Run the worker for ``plan`` in ``run_dir`` (prepared by ``run_dir.prepare``) and write result.json."""
     timeout_s = plan.run_config.train.timeout_s
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           ALLOC_CONF_ENV: cuda_alloc_conf(os.environ.get(ALLOC_CONF_ENV), plan.run_config.train.expandable_segments)}
     if identity := launcher_identity():
         env[LAUNCHER_ENV] = identity
     start = time.monotonic()

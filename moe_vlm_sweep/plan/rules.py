@@ -95,6 +95,13 @@ def fusions_need_gpu(cfg: RunConfig) -> Optional[str]:
             return f"fusions.{on[0]}=true needs GPU hardware (CUDA kernels), not hardware=cpu"
 
 
+@rule
+def allocator_setting_needs_gpu(cfg: RunConfig) -> Optional[str]:
+    if cfg.hardware.device == "cpu" and cfg.train.expandable_segments:
+        return ("train.expandable_segments=true configures the CUDA caching allocator; it needs GPU hardware, "
+                "not hardware=cpu")
+
+
 # --- layout ------------------------------------------------------------------------------------------------
 
 @rule
