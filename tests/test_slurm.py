@@ -67,7 +67,7 @@ SPACE = """defaults:
   - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep
 n_trials: 2
 objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
-fixed: [model=tiny, train.warmup_steps=1, train.steps=2, train.profile_steps=0]
+fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
 params:
   batch.mbs: [1, 2, 4]
 """

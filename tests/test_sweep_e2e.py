@@ -24,7 +24,7 @@ HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_
 SMALL_SPACE = HEADER + """
 n_trials: 3
 objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
-fixed: [model=tiny, train.warmup_steps=1, train.steps=2, train.profile_steps=0]
+fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
 params:
   batch.mbs: [1, 2, 4]
   vision: [trainable, frozen]
@@ -78,7 +78,7 @@ def test_invalid_configs_are_never_launched(tmp_path):
     """Every config of this space breaks a rule (pipelining under FSDP, mbs not dividing gbs)."""
     space = HEADER + """
 n_trials: 4
-fixed: [model=tiny, parallel=fsdp]
+fixed: {model: tiny, parallel: fsdp}
 params:
   parallel.pp: [2, 4]
   batch.mbs: [3, 5]
@@ -104,7 +104,7 @@ def test_injected_failures_are_classified_and_the_sweep_goes_on(tmp_path):
 n_trials: 4
 sampler: random
 objective: {metric: effective_tokens_per_s_per_gpu}
-fixed: [model=tiny, train.warmup_steps=1, train.steps=2, train.profile_steps=0]
+fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
 params:
   model.decoder.vocab_size: [512, 1]
   train.timeout_s: [300.0, 2.0]
@@ -244,7 +244,7 @@ def test_grid_sweep_runs_on_the_basic_sweeper(tmp_path):
 MIXED_REALISM_SPACE = HEADER + """
 n_trials: 4
 objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
-fixed: [model=tiny, train.warmup_steps=1, train.steps=2, train.profile_steps=0]
+fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
 params:
   data: [synthetic_images, mock_text]
 """

@@ -9,7 +9,7 @@ import pytest
 
 from moe_vlm_sweep.config.compose import CONF_DIR, compose_config
 from moe_vlm_sweep.plan.rules import ConfigError
-from moe_vlm_sweep.sweep.space import Condition, Space, fingerprint, format_value, parse_param
+from moe_vlm_sweep.sweep.space import Condition, Space, fingerprint, fixed_overrides, format_value, parse_param
 from moe_vlm_sweep.sweep.spec import SweepSpecError, load_spec
 from moe_vlm_sweep.sweep.trial import plan_trial, run_overrides
 
@@ -156,6 +156,32 @@ def test_spec_errors_name_the_knob():
         load_spec({"n_trial": 3})
 
 
+@pytest.mark.parametrize("fixed, message", [
+    (["model=tiny"], r"sweep.fixed must map override keys to values .* not list 'key=value' strings"),
+    ({"model": {"text_tokens": 1089}}, r"sweep.fixed.model is a mapping; .* dotted keys"),
+])
+def test_fixed_must_map_keys_to_override_values(fixed, message):
+    with pytest.raises(SweepSpecError, match=message):
+        load_spec({"fixed": fixed})
+
+
+def test_fixed_renders_as_the_override_strings_of_the_study_name():
+    assert fixed_overrides({"model": "small", "model.text_tokens": 1089, "fusions.bias_activation": True,
+                            "recompute.modules": ["core_attn", "moe"], "data.path": None}) == [
+        "model=small", "model.text_tokens=1089", "fusions.bias_activation=true", "recompute.modules=[core_attn,moe]",
+        "data.path=null"]
+
+
+def test_a_space_inherits_its_parents_fixed_entries_and_overrides_some():
+    """Each space lists only what it adds or changes: h200_small_s1664 replaces h200_single's GBS 32, and
+    h200_small_fused adds its fusions to everything h200_small_s1664 has."""
+    single, s1664, fused = (load_spec(compose_config([f"sweep={name}"]).sweep).fixed
+                            for name in ("h200_single", "h200_small_s1664", "h200_small_fused"))
+    assert single["batch.gbs"] == 32
+    assert s1664 == {**single, "model.text_tokens": 1089, "batch.gbs": 192}
+    assert fused == {**s1664, "fusions.bias_activation": True, "fusions.cross_entropy": False}
+
+
 def test_run_overrides_drop_sweep_and_hydra_settings():
     assert run_overrides(["sweep=cpu_demo", "sweep.n_trials=3", "hydra.verbose=true", "hydra/launcher=basic",
                           "batch.mbs=2", "+experiment=x"]) == ["batch.mbs=2", "+experiment=x"]
@@ -169,15 +195,16 @@ def test_shipped_spaces_are_there():
 def test_shipped_space_parses_and_samples_plannable_configs(name):
     """Every shipped space composes, and a sample of it validates or is rejected with named rules only."""
     spec = load_spec(compose_config([f"sweep={name}"]).sweep)  # as Hydra composes it (a space may extend another)
-    space = Space.parse(spec.params, fixed_keys=[o.split("=")[0] for o in spec.fixed])
+    fixed = fixed_overrides(spec.fixed)
+    space = Space.parse(spec.params, fixed_keys=list(spec.fixed))
     for i, values in enumerate(spec.first_trials):  # a shipped first trial always plans
         sampled = space.point(values, f"sweep.first_trials[{i}]")
-        overrides = [f"sweep={name}", *spec.fixed, *Space.overrides(sampled)]
+        overrides = [f"sweep={name}", *fixed, *Space.overrides(sampled)]
         plan_trial(compose_config(overrides), overrides)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     valid = 0
     for _ in range(12):
-        overrides = [f"sweep={name}", *spec.fixed, *Space.overrides(space.suggest(study.ask()))]
+        overrides = [f"sweep={name}", *fixed, *Space.overrides(space.suggest(study.ask()))]
         try:
             plan_trial(compose_config(overrides), overrides)
             valid += 1
@@ -187,5 +214,5 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
         assert valid == 12, "every cpu_demo config must run on the CPU"
     if name == "h200_proxy":  # it extends h200_single: its knobs, the proxy model and its own micro-batches
         assert "cuda_graph" in spec.params and spec.params["batch.mbs"] == [1, 2, 4]
-        assert "model=qwen3_vl_30b_a3b_proxy" in spec.fixed
+        assert "model=qwen3_vl_30b_a3b_proxy" in fixed
     assert Path(CONF_DIR / "sweep").resolve().name == "sweeps"

@@ -21,7 +21,7 @@ SPACE = """defaults:
   - _self_
   - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep
 n_trials: 2
-fixed: [model=tiny, parallel=fsdp]
+fixed: {model: tiny, parallel: fsdp}
 params:
   parallel.pp: [2, 4]
 """

@@ -29,7 +29,7 @@ from optuna.trial import TrialState
 from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.sweep import ledger, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
-from moe_vlm_sweep.sweep.space import Space
+from moe_vlm_sweep.sweep.space import Space, fixed_overrides
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
 from moe_vlm_sweep.sweep.study import exploring, neighbor_of_best, open_study, storage_url, study_name
 from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_refused_submission, is_run_config,
@@ -66,7 +66,7 @@ class SweeperImpl(Sweeper):
                 raise SweepError(f"{parsed.input_line!r}: with this sweeper, searched knobs belong in the space "
                                  "(sweep.params), not in a,b lists on the command line")
         given = {_key(a) for a in arguments}
-        return [*(f for f in spec.fixed if _key(f) not in given), *arguments]
+        return [*(f for f in fixed_overrides(spec.fixed) if _key(f) not in given), *arguments]
 
     def _sweep_dir(self, name: str) -> Optional[Path]:
         """Where the study (and the export) of a moe-vlm-sweep sweep lives: stable, so a re-run resumes. Other

@@ -224,6 +224,13 @@ class Space:
                 for key, value in sampled.items()]
 
 
+def fixed_overrides(fixed: Mapping[str, Any]) -> list[str]:
+    """``sweep.fixed`` (key -> value) as the override strings every trial gets, rendered like sampled values: the
+    one rendering, since these exact strings (``model=small``, ``fusions.bias_activation=true``) are hashed into
+    the study name."""
+    return Space.overrides(fixed)
+
+
 def fingerprint(*parts: Any) -> str:
     """A short stable hash of plain data: the same space + fixed overrides + objective give the same study."""
     blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
