@@ -10,7 +10,9 @@ import pytest
 from moe_vlm_sweep.config.compose import CONF_DIR, compose_config
 from moe_vlm_sweep.plan.rules import ConfigError
 from moe_vlm_sweep.sweep.space import Condition, Space, fingerprint, fixed_overrides, format_value, parse_param
+from hydra_plugins.moe_vlm_sweep_sweeper._impl import SweeperImpl
 from moe_vlm_sweep.sweep.spec import SweepSpecError, load_spec
+from moe_vlm_sweep.sweep.study import study_name
 from moe_vlm_sweep.sweep.trial import plan_trial, run_overrides
 
 SPACES = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))
@@ -216,3 +218,19 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
         assert "cuda_graph" in spec.params and spec.params["batch.mbs"] == [1, 2, 4]
         assert "model=qwen3_vl_30b_a3b_proxy" in fixed
     assert Path(CONF_DIR / "sweep").resolve().name == "sweeps"
+
+
+COMMITTED_STUDIES = {"h200_single": "h200_single-22158414", "h200_proxy": "h200_proxy-afbde3bd",
+                     "h200_small_s1664": "h200_small_s1664-189b7026",
+                     "h200_small_fused": "h200_small_fused-0d458fce"}
+"""Studies whose state and results are committed under benchmarks/results/: the same command must resume them."""
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED_STUDIES))
+def test_a_committed_study_keeps_its_name(name):
+    """The name hashes the space's params, fixed overrides and objective; a refactor that renames a committed
+    study would make ``sweep=<name>`` start a new one instead of resuming the results it points to."""
+    arguments = [f"sweep={name}"]
+    spec = load_spec(compose_config(arguments).sweep)
+    fixed = run_overrides(SweeperImpl.job_overrides(spec, arguments))
+    assert study_name(name, spec, fixed) == COMMITTED_STUDIES[name]

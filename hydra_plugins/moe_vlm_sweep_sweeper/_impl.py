@@ -59,7 +59,8 @@ class SweeperImpl(Sweeper):
 
     # --- setup of one sweep -------------------------------------------------------------------------------
 
-    def _job_overrides(self, spec: SweepConf, arguments: List[str]) -> List[str]:
+    @staticmethod
+    def job_overrides(spec: SweepConf, arguments: List[str]) -> List[str]:
         """Every trial's base overrides: the space's fixed ones, then the command line (which wins)."""
         for parsed in OverridesParser.create().parse_overrides(arguments):
             if parsed.is_sweep_override():
@@ -209,7 +210,7 @@ class SweeperImpl(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         spec = load_spec(self.config.get("sweep"))
         self.budget = TimeBudget(spec.time_budget_s)
-        base = self._job_overrides(spec, list(arguments))
+        base = self.job_overrides(spec, list(arguments))
         if self.project and slurm.is_submitit(self.config.hydra.launcher):
             self._check_slurm_job(base)
         space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
