@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | baseline | gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline | gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -27,6 +27,7 @@
 #   packing   packed micro-batches past MBS 96, which the padded ones could not fit (MBS 112 ran out of memory):
 #             packed MBS 96, 112 and 128 (eager, fused SwiGLU, unfused loss; two micro-batches a step each). A
 #             packed micro-batch averages about 84% of the padded tokens, so MBS 128 holds about padded MBS 108
+#   h100packing  packed against padded rows at MBS 48-64 with hardware=h100, for a call that lands on an H100
 #   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
 #   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
@@ -114,6 +115,17 @@ for step in "$@"; do
         --config packed_mbs96="batch.mbs=96 batch.gbs=192" --config packed_mbs112="batch.mbs=112 batch.gbs=224" \
         --config packed_mbs128="batch.mbs=128 batch.gbs=256"
       stop_orphans ;;
+    h100packing)  # an H100 (80 GB) when no H200 comes: packed against padded rows on TE's THD attention at a
+                  # batch that fits (padded MBS 48, packed MBS 48 and 64; GBS 192, fused SwiGLU, unfused loss,
+                  # expandable segments), with TE's attention-backend log; about 70 s a config
+      NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 300 python3 benchmarks/compare_configs.py --outputs /tmp/h100packing \
+        --out "$OUT/h100_packing.json" --common "${C/batch.gbs=32 /} hardware=h100 train.timeout_s=150 \
+          train.warmup_steps=2 train.steps=6 parallel=3d cuda_graph=none batch.gbs=192 $S \
+          fusions.bias_activation=true fusions.cross_entropy=false train.expandable_segments=true" \
+        --config padded_mbs48="batch.mbs=48" --config packed_mbs48="batch.mbs=48 data.packing=true" \
+        --config packed_mbs64="batch.mbs=64 data.packing=true"
+      grep -h -i "Running with .*backend\|disabling" /tmp/h100packing/runs/*/worker.log | sort | uniq -c | head -20
+      stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \
         --common "$C" --config baseline_fsdp_mbs8="parallel=fsdp batch.mbs=8 cuda_graph=none" \
@@ -132,7 +144,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing /tmp/h100packing 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
