@@ -13,7 +13,8 @@
 #   packed=N  the same for h200_small_packed (h200_small_fused at GBS 384 with and without data.packing and the
 #             allocator's expandable segments, MBS 96-128)
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported;
-#             bounded by the call's time left (six re-runs of h200_small_fused's trials took about 450 s)
+#             within the call's time left (six re-runs of h200_small_fused's trials took about 450 s); re-runs
+#             that do not fit are left for the next call's confirm=STUDY, which reuses the finished ones
 #   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes and packed THD rows train like eager,
 #             eager runs a census); gputests=EXPR runs those pytest -k EXPR selects
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
@@ -104,8 +105,8 @@ for step in "$@"; do
       stop_orphans
       grep -E "^\[trial|^sweep|^confirm|^best" "$OUT/sweep.log" | tail -14 ;;
     confirm=*)  # confirm=STUDY (outputs/sweeps/STUDY)
-      timeout $(( $(left) - 20 )) python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 \
-        >> "$OUT/confirm.log" 2>&1
+      timeout $(( $(left) - 10 )) python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 \
+        --time-budget-s $(( $(left) - 30 )) >> "$OUT/confirm.log" 2>&1
       stop_orphans
       tail -12 "$OUT/confirm.log" ;;
     packing)  # about 100 s a config

@@ -3,6 +3,7 @@ holds is exported, a candidate with a failed re-run cannot win, and mixed data r
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
 
@@ -14,6 +15,7 @@ from omegaconf import OmegaConf
 from moe_vlm_sweep.config import compose
 from moe_vlm_sweep.export.best import ExportError, export, ranked
 from moe_vlm_sweep.export.confirm import CV_TARGET, confirm
+from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.trial import metric_value
 from sweep_testing import FAST_TRAIN, cli, private_conf
 
@@ -109,3 +111,48 @@ def test_confirm_reruns_the_top_trials_and_exports_the_median_winner(tmp_path, m
     exported = OmegaConf.to_yaml(compose.compose_config([f"+experiment={NAME}_best"]))
     assert exported == OmegaConf.to_yaml(compose.compose_config(winner["overrides"]))
     assert (conf / "experiment" / f"{NAME}_best.yaml").read_text().count("confirm.json") == 1
+
+
+def _launched_trial_study(wall_s: float, storage: str | None = None) -> optuna.Study:
+    """One completed trial as a sweep records a launched one: its run directory and how long it took."""
+    study = _study(storage, [])
+    trial = optuna.trial.create_trial(value=1.0, user_attrs={"overrides": BASE, "data_realism": "synthetic_images",
+                                                              "run_dir": "outputs/runs/trial"})
+    trial.datetime_start = trial.datetime_complete - datetime.timedelta(seconds=wall_s)
+    study.add_trial(trial)
+    return study
+
+
+def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
+    """A lease or an allocation ends between re-runs: the budget starts none that the trial's own time says
+    would overrun it, nothing is written or exported, and the next confirmation reuses what finished."""
+    study, lines = _launched_trial_study(wall_s=60.0), []
+    stopped = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0))
+    assert not stopped.complete and stopped.winner is None and "re-run 1 of trial #0 would need about 60 s" in \
+        stopped.stopped
+    assert not (tmp_path / "confirm").exists() and not (tmp_path / "best").exists()
+
+    first = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=1).candidates[0].repeats[0]
+    assert first.ok
+    partial = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0), progress=lines.append)
+    assert not partial.complete and [r.run_dir for r in partial.candidates[0].repeats] == [first.run_dir]
+    assert lines == [f"[confirm 1/2] trial #0 -> {first.values[0]:.4g} (finished by an earlier confirmation)"]
+
+    done = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2)
+    repeats = done.candidates[0].repeats
+    assert done.complete and done.winner is done.candidates[0] and all(r.ok for r in repeats)
+    assert repeats[0].run_dir == first.run_dir != repeats[1].run_dir and repeats[0].values == first.values
+    record = json.loads((tmp_path / "best" / "confirm.json").read_text())
+    assert [r["run_dir"] for r in record["candidates"][0]["repeats"]] == [r.run_dir for r in repeats]
+
+
+def test_best_confirm_past_its_time_budget_exits_3_and_exports_nothing(tmp_path):
+    conf = private_conf(tmp_path)
+    sweep_dir = tmp_path / "outputs" / "sweeps" / NAME
+    sweep_dir.mkdir(parents=True)
+    _launched_trial_study(wall_s=60.0, storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
+    proc = cli(["best", NAME, "--confirm", "2", "--time-budget-s", "30"], cwd=tmp_path, conf=conf, check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "confirmation: stopped: re-run 1 of trial #0 would need about 60 s" in proc.stdout
+    assert "--time-budget-s are left; the same command resumes" in proc.stdout
+    assert not (sweep_dir / "best").exists() and not (conf / "experiment" / f"{NAME}_best.yaml").exists()

@@ -1,7 +1,9 @@
 """``moe-vlm-sweep best [STUDY]``: rank a study, write its top configs, print how to re-run the winner.
 
 ``--confirm N`` first re-runs each of the ``--top`` trials N times and exports the one whose median holds
-(``moe_vlm_sweep.export.confirm``).
+(``moe_vlm_sweep.export.confirm``). With ``--time-budget-s`` (a GPU lease's or an allocation's time left) it
+starts no re-run that would overrun it and exits with status 3, exporting nothing; the same command reuses the
+finished re-runs and goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.export.best import ExportError, export, realism_of
 from moe_vlm_sweep.export.confirm import CONFIRM_FILE, confirm
 from moe_vlm_sweep.export.confirm import table as confirm_table
+from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.progress import table
 from moe_vlm_sweep.sweep.spec import SweepSpecError
 from moe_vlm_sweep.sweep.study import open_storage
@@ -50,6 +53,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--confirm", type=int, default=0, metavar="N",
                         help="re-run each of the --top trials N times first and export the one whose median "
                              "holds (default: 0, no re-runs)")
+    parser.add_argument("--time-budget-s", type=float, metavar="S",
+                        help="with --confirm: start no re-run that would end after S seconds; exit 3 if any is "
+                             "left (the same command resumes; default: no limit)")
     args = parser.parse_args(list(argv))
     outputs = Path(args.outputs)
     try:
@@ -61,7 +67,11 @@ def main(argv: Sequence[str]) -> int:
             print(f"confirm: re-running the top {args.top} trial(s) {args.confirm} time(s) each under "
                   f"{sweep_dir / 'confirm'}", flush=True)
             confirmation = confirm(study, sweep_dir=sweep_dir, top_k=args.top, repeats=args.confirm,
-                                   progress=lambda line: print(line, flush=True))
+                                   progress=lambda line: print(line, flush=True),
+                                   budget=TimeBudget(args.time_budget_s, knob="--time-budget-s"))
+            if not confirmation.complete:
+                print(f"confirmation: stopped: {confirmation.stopped}", flush=True)
+                return 3
             held = confirmation.winner
             if confirmation.candidates:
                 print(f"\n{confirm_table(confirmation)}\n  details: {sweep_dir / 'best' / CONFIRM_FILE}\n")

@@ -8,16 +8,23 @@ machine spreads over all of them instead of penalizing the last. The winner is t
 its repeats is best on the study's first objective; a candidate with any failed repeat cannot win. The step-time
 CV across the repeats' median step times is reported against :data:`CV_TARGET`; it does not pick the winner.
 Everything lands in ``<sweep_dir>/best/confirm.json``.
+
+A confirmation is as resumable as the sweep: a repeat that an interrupted confirmation finished (its
+``result.json`` written, the same overrides) is read back, not re-run, and a time budget (a GPU lease, a Slurm
+allocation) starts no repeat that the trial it repeats says would overrun it. An incomplete confirmation writes
+and exports nothing; the same command goes on from where it stopped.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import optuna
+import yaml
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
@@ -25,8 +32,9 @@ from moe_vlm_sweep.config.compose import compose_config, to_run_config
 from moe_vlm_sweep.export.best import ExportError, ranked, realism_of
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
-from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare, write_json_atomic
+from moe_vlm_sweep.launch.run_dir import RESULT_FILE, new_run_dir, prepare, write_json_atomic
 from moe_vlm_sweep.plan.plan import RunPlan, make_plan
+from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.spec import ObjectiveConf
 from moe_vlm_sweep.sweep.trial import INVALID_ERRORS, outcome_of_result
 
@@ -93,12 +101,18 @@ class Confirmation:
     data_realism: Optional[str]
     repeats: int
     candidates: list[Candidate]
+    stopped: str = ""
+    """Why the re-runs stopped before all were done (the time budget); empty when complete."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.stopped
 
     @property
     def winner(self) -> Optional[Candidate]:
         """Best median of the first objective among candidates whose every repeat succeeded; ties keep the
-        study's order."""
-        held = [c for c in self.candidates if c.ok]
+        study's order. None until the confirmation is complete."""
+        held = [c for c in self.candidates if c.ok] if self.complete else []
         if not held:
             return None
         sign = -1.0 if self.directions[0] == "maximize" else 1.0
@@ -153,23 +167,37 @@ def _plan(overrides: list[str]) -> tuple[RunPlan, str]:
     return make_plan(to_run_config(composed), overrides), OmegaConf.to_yaml(composed)
 
 
-def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat) -> str:
+def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat, reused: bool) -> str:
     if repeat.ok:
         got = " ".join(f"{v:.4g}" for v in repeat.values)
     else:
         last = repeat.reason.strip().splitlines()[-1][:160] if repeat.reason.strip() else ""
         got = repeat.status.upper() + (f" ({last})" if last else "")
-    return f"[confirm {index}/{repeats}] trial #{candidate.trial.number} -> {got}"
+    return (f"[confirm {index}/{repeats}] trial #{candidate.trial.number} -> {got}"
+            + (" (finished by an earlier confirmation)" if reused else ""))
+
+
+def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> Optional[RunResult]:
+    """Repeat ``index`` of trial ``number`` as an earlier, interrupted confirmation finished it, if it did:
+    ``result.json`` is written last, so a run directory without it never counts."""
+    for run_dir in sorted((confirm_dir / "runs").glob(f"*-t{number}-r{index}-*")):
+        if (run_dir / RESULT_FILE).exists() and \
+                yaml.safe_load((run_dir / "overrides.yaml").read_text()) == list(plan.overrides):
+            return RunResult.read(run_dir)
+    return None
 
 
 def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
             progress: Optional[Callable[[str], None]] = None,
-            plan: Callable[[list[str]], tuple[RunPlan, str]] = _plan) -> Confirmation:
+            plan: Callable[[list[str]], tuple[RunPlan, str]] = _plan,
+            budget: Optional[TimeBudget] = None) -> Confirmation:
     """Re-run the top ``top_k`` trials ``repeats`` times each, write ``best/confirm.json``, return the record.
 
     Mixed data realism and a study without a known objective are refused before anything runs. ``progress``
     (e.g. ``print``) gets a line per repeat: a confirmation costs top_k * repeats runs. ``plan`` composes and
     validates a trial's overrides; the sweeper passes its own (Hydra is already initialized inside a sweep).
+    Repeats an interrupted confirmation finished are reused; with a ``budget``, a repeat that would overrun it
+    stops the confirmation, incomplete (nothing written).
     """
     if repeats < 1:
         raise ExportError(f"repeats={repeats}: confirmation needs at least one re-run per candidate")
@@ -183,11 +211,19 @@ def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
             plans[candidate.trial.number] = plan(candidate.overrides)
         except INVALID_ERRORS as exc:
             invalid[candidate.trial.number] = str(exc)
+    record = partial(Confirmation, study_name=study.study_name, objective_metrics=objective.metrics,
+                     directions=objective.directions, data_realism=realism, repeats=repeats, candidates=candidates)
     for index in range(1, repeats + 1):
         for candidate in candidates:
             number = candidate.trial.number
+            reused = None
             if number in invalid:
                 repeat = Repeat(status="invalid", reason=invalid[number])
+            elif reused := _finished(sweep_dir / "confirm", number, index, plans[number][0]):
+                repeat = _repeat(reused, objective, realism)
+            elif budget is not None and not budget.allows(need := wall_seconds(candidate.trial) or 0.0):
+                return record(stopped=budget.why_not(f"re-run {index} of trial #{number}", need,
+                                                     "the trial's own time"))
             else:
                 plan, resolved_yaml = plans[number]
                 run_dir = new_run_dir(sweep_dir / "confirm", prefix=f"t{number}-r{index}")
@@ -195,10 +231,8 @@ def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
                 repeat = _repeat(launch(plan, run_dir), objective, realism)
             candidate.repeats.append(repeat)
             if progress is not None:
-                progress(_line(index, repeats, candidate, repeat))
-    confirmation = Confirmation(study_name=study.study_name, objective_metrics=objective.metrics,
-                                directions=objective.directions, data_realism=realism, repeats=repeats,
-                                candidates=candidates)
+                progress(_line(index, repeats, candidate, repeat, reused is not None))
+    confirmation = record()
     out = sweep_dir / "best"
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / CONFIRM_FILE, confirmation.to_dict())

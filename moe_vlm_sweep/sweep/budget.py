@@ -15,8 +15,10 @@ from optuna.trial import FrozenTrial
 
 
 class TimeBudget:
-    def __init__(self, seconds: Optional[float]):
+    def __init__(self, seconds: Optional[float], knob: str = "sweep.time_budget_s"):
         self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.knob = knob
+        """What set the budget, for messages."""
         self.slowest = 0.0
         """Wall seconds of the slowest trial seen (0 before the first)."""
 
@@ -42,7 +44,7 @@ class TimeBudget:
     def why_not(self, what: str, seconds: Optional[float] = None, basis: Optional[str] = None) -> str:
         need, basis = (self.slowest, "the slowest trial so far") if seconds is None else (seconds, basis)
         return (f"{what} would need about {need:.0f} s ({basis}) and {max(self.left(), 0):.0f} s of "
-                "sweep.time_budget_s are left; the same command resumes the study")
+                f"{self.knob} are left; the same command resumes the study")
 
 
 def wall_seconds(trial: FrozenTrial) -> Optional[float]:
