@@ -302,8 +302,8 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     shutil.rmtree(best)  # the confirm=0 run exported; the postponed confirmation must export again
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
               conf=conf).stdout
-    assert ("confirmation: postponed: its 3 re-runs would need about" in out
-            and "(the top 3 trials' own times, 1 re-run(s) each)" in out and " (unconfirmed); re-run it" in out), out
+    assert ("confirmation: postponed: re-run 1 of trial #" in out and "(the trial's own time)" in out
+            and " (unconfirmed); re-run it" in out), out
     assert (best / "overrides.yaml").exists() and not (best / "confirm.json").exists()
     assert len(only_study(tmp_path).get_trials()) == len(study.get_trials())  # no trial started
     first = [t for t in study.get_trials() if "fixed_params" in t.system_attrs and "proposed_as" not in t.user_attrs]
@@ -312,6 +312,12 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     assert "confirm: re-running the top 3 trial(s) 1 time(s) each" in out and (best / "confirm.json").exists()
     winner = yaml.safe_load((best / "top.yaml").read_text())[0]
     assert winner["confirmed"], winner
+    reruns = sorted((best.parent / "confirm" / "runs").iterdir())
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
+              conf=conf).stdout  # every re-run finished before: reused, however short the budget
+    assert out.count("(finished by an earlier confirmation)") == 3 and "<- holds" in out, out[-2000:]
+    assert sorted((best.parent / "confirm" / "runs").iterdir()) == reruns
+    shutil.rmtree(best.parent / "confirm")
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
               conf=conf).stdout
     assert f"best: trial #{winner['trial']} stays exported (it held in an earlier confirmation)" in out, out[-2000:]

@@ -288,7 +288,8 @@ class SweeperImpl(Sweeper):
         return self._finish(study, spec, sweep_dir, confirm=True)
 
     def _confirm(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path) -> Any:
-        """The trial that held in ``sweep.confirm`` re-runs of the top ones, or False if none held."""
+        """The trial that held in ``sweep.confirm`` re-runs of the top ones, False if none held, or None if the
+        time budget stopped the re-runs (the next run of the same command reuses those that finished)."""
         from moe_vlm_sweep.export.confirm import confirm, table
 
         print(f"confirm: re-running the top {spec.top_k} trial(s) {spec.confirm} time(s) each", flush=True)
@@ -296,7 +297,10 @@ class SweeperImpl(Sweeper):
             return plan_trial(self.hydra_context.config_loader.load_sweep_config(self.config, overrides), overrides)
 
         confirmation = confirm(study, sweep_dir=sweep_dir, top_k=spec.top_k, repeats=spec.confirm,
-                               progress=lambda line: print(line, flush=True), plan=plan)
+                               progress=lambda line: print(line, flush=True), plan=plan, budget=self.budget)
+        if not confirmation.complete:
+            print(f"confirmation: postponed: {confirmation.stopped}", flush=True)
+            return None
         print(table(confirmation), flush=True)
         winner = confirmation.winner
         if self.tracker is not None:
@@ -315,8 +319,8 @@ class SweeperImpl(Sweeper):
                 confirm: bool = False) -> Any:
         """Print the top trials and export them; a sweep that ran to the end first confirms them
         (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did. A confirmation
-        the time budget cannot hold is postponed to the next run of the same command, and the best is exported
-        unconfirmed meanwhile; an unconfirmed export never replaces an earlier confirmed one."""
+        runs the re-runs the time budget holds and leaves the rest to the next run of the same command, and the
+        best is exported unconfirmed meanwhile; an unconfirmed export never replaces an earlier confirmed one."""
         from moe_vlm_sweep.export.best import confirmed_export, export, ranked, realism_of
 
         top = ranked(study)[:spec.top_k]
@@ -325,13 +329,7 @@ class SweeperImpl(Sweeper):
         if self.project and top:
             from moe_vlm_sweep.config.compose import CONF_DIR
 
-            need = spec.confirm * sum(wall_seconds(t) or self.budget.slowest for t in top)
-            postponed = confirm and spec.confirm and not self.budget.allows(need)
-            held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm and not postponed else None
-            if postponed:
-                why = self.budget.why_not(f"its {len(top) * spec.confirm} re-runs", need,
-                                          f"the top {len(top)} trials' own times, {spec.confirm} re-run(s) each")
-                print(f"confirmation: postponed: {why}", flush=True)
+            held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm else None
             kept = confirmed_export(sweep_dir) if held is None else None
             if held is False:
                 print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)

@@ -221,7 +221,7 @@ def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
                 repeat = Repeat(status="invalid", reason=invalid[number])
             elif reused := _finished(sweep_dir / "confirm", number, index, plans[number][0]):
                 repeat = _repeat(reused, objective, realism)
-            elif budget is not None and not budget.allows(need := wall_seconds(candidate.trial) or 0.0):
+            elif budget is not None and not budget.allows(need := wall_seconds(candidate.trial) or budget.slowest):
                 return record(stopped=budget.why_not(f"re-run {index} of trial #{number}", need,
                                                      "the trial's own time"))
             else:
