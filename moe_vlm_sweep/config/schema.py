@@ -394,7 +394,7 @@ class TrainConf:
     ``metrics.json``'s ``gc_in_measured_steps`` says what the collector did inside them."""
     expandable_segments: bool = False
     """PyTorch's caching allocator grows its segments in place instead of carving new blocks
-    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, set by the launcher for the worker's processes), so
+    (``expandable_segments:True`` in PyTorch's allocator settings, set by the launcher for the worker), so
     shapes that change every micro-batch (packed rows) and large transients (the loss's logits) leave no stranded
     memory: the padded MBS 112 run on the H200 ran out of memory with 18.8 GiB reserved but unallocated
     (``benchmarks/results/README.md``, sixth session). GPU only."""

@@ -24,7 +24,9 @@ from moe_vlm_sweep.plan.plan import RunPlan
 
 WORKER_MODULE = "moe_vlm_sweep.train.worker"
 KILL_GRACE_S = 10.0
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_ENVS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""Where PyTorch reads its allocator settings: the generic name first (2.9+), then the CUDA one it still reads,
+which its CUDA allocator consults first. The launcher sets both to one value, so neither shadows the config."""
 
 
 def cuda_alloc_conf(inherited: str | None, expandable_segments: bool) -> str:
@@ -91,8 +93,9 @@ def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: 
 def launch(plan: RunPlan, run_dir: Path) -> RunResult:
     """Run the worker for ``plan`` in ``run_dir`` (prepared by ``run_dir.prepare``) and write result.json."""
     timeout_s = plan.run_config.train.timeout_s
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           ALLOC_CONF_ENV: cuda_alloc_conf(os.environ.get(ALLOC_CONF_ENV), plan.run_config.train.expandable_segments)}
+    inherited = next(filter(None, map(os.environ.get, ALLOC_CONF_ENVS)), None)
+    alloc_conf = cuda_alloc_conf(inherited, plan.run_config.train.expandable_segments)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict.fromkeys(ALLOC_CONF_ENVS, alloc_conf)}
     if identity := launcher_identity():
         env[LAUNCHER_ENV] = identity
     start = time.monotonic()

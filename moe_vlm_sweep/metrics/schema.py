@@ -127,7 +127,8 @@ class Metrics:
     """The planner's lower bound for GPU runs (``plan/memory.py``), to read next to the measured peak."""
     loss: Loss
     cuda_alloc_conf: Optional[str] = None
-    """``PYTORCH_CUDA_ALLOC_CONF`` as the worker saw it (``train.expandable_segments`` sets it)."""
+    """PyTorch's allocator settings as the worker saw them (``PYTORCH_ALLOC_CONF``, which the launcher sets with
+    ``PYTORCH_CUDA_ALLOC_CONF`` from ``train.expandable_segments``)."""
     wall_s: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds of the worker's parts on rank 0: ``startup.imports`` (interpreter and imports),
     ``startup.init`` (process groups), ``startup.build``, ``startup.wrap`` (DDP or FSDP, optimizer), then

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe_vlm_sweep.launch.lifeline import watch_launcher
+from moe_vlm_sweep.launch.local import ALLOC_CONF_ENVS
 from moe_vlm_sweep.metrics.schema import (
     COMPONENTS,
     FAILURE_FILE,
@@ -201,7 +202,7 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
         predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
         loss=Loss(values=result.losses, phases=result.phases),
-        cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), wall_s={**(startup_s or {}), **result.wall_s},
+        cuda_alloc_conf=os.environ.get(ALLOC_CONF_ENVS[0]), wall_s={**(startup_s or {}), **result.wall_s},
         warmup_step_time_s=result.warmup_step_times,
         gc_in_measured_steps=result.gc_in_measured_steps, graphed_layers=result.graphed_layers,
         component_split=split, saved_activations=_saved_activations(plan, result.saved_activation_bytes),
