@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
 # results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline | gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack
+#   bash benchmarks/h200_call.sh COMMIT STEP...
+#   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline |
+#         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack
+#   Every step but gputests, h100packing, imports and pack needs an H200's memory: on a smaller card (a call for
+#   an H200 may land on an H100) the script stops before them rather than OOM or mix machines in one study.
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -42,6 +46,13 @@ CALL_S=${CALL_S:-570}
 left() { echo $((CALL_S - SECONDS)); }
 C="model=small hardware=h200 batch.gbs=32 train.warmup_steps=3 train.steps=8 train.timeout_s=100 recompute=none vision=trainable dispatcher=alltoall"
 D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+for step in "$@"; do
+  case "$step" in
+    gputests*|h100packing|imports|pack) ;;
+    *) (( mem_mib > 100000 )) || { echo "step $step needs an H200; this card has ${mem_mib} MiB" >&2; exit 2; } ;;
+  esac
+done
 S="model.text_tokens=1089"  # 1664 decoder tokens, a multiple of 128 (1599 is not): TE's cuDNN graph-capture rule
 # A worker a timeout orphaned must not share the GPU. "[m]" keeps the pattern from matching a shell whose own
 # command line holds it (an inline call of 2026-12-03 ended itself that way).
@@ -105,8 +116,11 @@ for step in "$@"; do
       stop_orphans
       grep -E "^\[trial|^sweep|^confirm|^best" "$OUT/sweep.log" | tail -14 ;;
     confirm=*)  # confirm=STUDY (outputs/sweeps/STUDY)
-      timeout $(( $(left) - 10 )) python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 \
-        --time-budget-s $(( $(left) - 30 )) >> "$OUT/confirm.log" 2>&1
+      t=$(( $(left) - 10 ))
+      (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
+      timeout $t python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 --time-budget-s $((t - 20)) \
+        >> "$OUT/confirm.log" 2>&1
+      echo "best --confirm exited $? (3: re-runs left for the next call)" | tee -a "$OUT/confirm.log"
       stop_orphans
       tail -12 "$OUT/confirm.log" ;;
     packing)  # about 100 s a config
@@ -119,8 +133,9 @@ for step in "$@"; do
     h100packing)  # an H100 (80 GB) when no H200 comes: packed against padded rows on TE's THD attention at a
                   # batch that fits (padded MBS 48, packed MBS 48 and 64; GBS 192, fused SwiGLU, unfused loss,
                   # expandable segments), with TE's attention-backend log; about 70 s a config
+      h100=${C/hardware=h200/hardware=h100}
       NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 300 python3 benchmarks/compare_configs.py --outputs /tmp/h100packing \
-        --out "$OUT/h100_packing.json" --common "${C/batch.gbs=32 /} hardware=h100 train.timeout_s=150 \
+        --out "$OUT/h100_packing.json" --common "${h100/batch.gbs=32 /} train.timeout_s=150 \
           train.warmup_steps=2 train.steps=6 parallel=3d cuda_graph=none batch.gbs=192 $S \
           fusions.bias_activation=true fusions.cross_entropy=false train.expandable_segments=true" \
         --config padded_mbs48="batch.mbs=48" --config packed_mbs48="batch.mbs=48 data.packing=true" \
@@ -145,7 +160,8 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing /tmp/h100packing 2>/dev/null ;;
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 \
+        /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing /tmp/h100packing 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
+from pathlib import Path
 
 import optuna
 import pytest
@@ -145,6 +146,14 @@ def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
     record = json.loads((tmp_path / "best" / "confirm.json").read_text())
     assert [r["run_dir"] for r in record["candidates"][0]["repeats"]] == [r.run_dir for r in repeats]
 
+    failed, other_plan = (Path(r.run_dir) for r in repeats)
+    result = json.loads((failed / "result.json").read_text())
+    (failed / "result.json").write_text(json.dumps({**result, "status": "oom"}))  # e.g. a lease on a smaller GPU
+    plan = json.loads((other_plan / "plan.json").read_text())
+    (other_plan / "plan.json").write_text(json.dumps({**plan, "seq_length": plan["seq_length"] + 1}))
+    again = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0))
+    assert not again.complete and again.candidates[0].repeats == []  # neither is reused; none fits the budget
+
 
 def test_best_confirm_past_its_time_budget_exits_3_and_exports_nothing(tmp_path):
     conf = private_conf(tmp_path)
@@ -156,3 +165,9 @@ def test_best_confirm_past_its_time_budget_exits_3_and_exports_nothing(tmp_path)
     assert "confirmation: stopped: re-run 1 of trial #0 would need about 60 s" in proc.stdout
     assert "--time-budget-s are left; the same command resumes" in proc.stdout
     assert not (sweep_dir / "best").exists() and not (conf / "experiment" / f"{NAME}_best.yaml").exists()
+
+
+@pytest.mark.parametrize("args", [["--time-budget-s", "30"], ["--confirm", "2", "--time-budget-s", "0"]])
+def test_a_time_budget_without_confirmation_or_time_is_refused(tmp_path, args):
+    proc = cli(["best", NAME, *args], cwd=tmp_path, conf=private_conf(tmp_path), check=False)
+    assert proc.returncode == 2 and "--time-budget-s" in proc.stderr and "needs --confirm N" in proc.stderr

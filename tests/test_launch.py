@@ -121,7 +121,7 @@ def test_a_zombie_or_a_reused_pid_is_not_the_launcher():
 @pytest.mark.parametrize("inherited, expandable, expected", [
     (None, True, "expandable_segments:True"),
     ("expandable_segments:True", False, "expandable_segments:False"),
-    ("garbage_collection_threshold:0.8,expandable_segments:False", True,
+    ("garbage_collection_threshold:0.8, expandable_segments:False", True,
      "garbage_collection_threshold:0.8,expandable_segments:True"),
 ])
 def test_the_config_owns_the_allocators_expandable_segments(inherited, expandable, expected):

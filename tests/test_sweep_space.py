@@ -7,10 +7,10 @@ from pathlib import Path
 import optuna
 import pytest
 
+from hydra_plugins.moe_vlm_sweep_sweeper._impl import SweeperImpl
 from moe_vlm_sweep.config.compose import CONF_DIR, compose_config
 from moe_vlm_sweep.plan.rules import ConfigError
 from moe_vlm_sweep.sweep.space import Condition, Space, fingerprint, fixed_overrides, format_value, parse_param
-from hydra_plugins.moe_vlm_sweep_sweeper._impl import SweeperImpl
 from moe_vlm_sweep.sweep.spec import SweepSpecError, load_spec
 from moe_vlm_sweep.sweep.study import study_name
 from moe_vlm_sweep.sweep.trial import plan_trial, run_overrides
@@ -222,8 +222,10 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
 
 COMMITTED_STUDIES = {"h200_single": "h200_single-22158414", "h200_proxy": "h200_proxy-afbde3bd",
                      "h200_small_s1664": "h200_small_s1664-189b7026",
-                     "h200_small_fused": "h200_small_fused-0d458fce"}
-"""Studies whose state and results are committed under benchmarks/results/: the same command must resume them."""
+                     "h200_small_fused": "h200_small_fused-0d458fce",
+                     "h200_small_packed": "h200_small_packed-aadc1538"}
+"""Studies whose state and results are committed under benchmarks/results/, or whose next device commands its
+README gives (h200_small_packed): the same command must resume them."""
 
 
 @pytest.mark.parametrize("name", sorted(COMMITTED_STUDIES))

@@ -57,6 +57,10 @@ def main(argv: Sequence[str]) -> int:
                         help="with --confirm: start no re-run that would end after S seconds; exit 3 if any is "
                              "left (the same command resumes; default: no limit)")
     args = parser.parse_args(list(argv))
+    if args.time_budget_s is not None and (not args.confirm or args.time_budget_s <= 0):
+        print(f"error: --time-budget-s={args.time_budget_s:g} bounds --confirm re-runs: it needs --confirm N "
+              "and a positive number of seconds", file=sys.stderr)
+        return 2
     outputs = Path(args.outputs)
     try:
         name, storage = _find_study(outputs, args.study, args.storage)

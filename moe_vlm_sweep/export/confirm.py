@@ -9,14 +9,15 @@ its repeats is best on the study's first objective; a candidate with any failed 
 CV across the repeats' median step times is reported against :data:`CV_TARGET`; it does not pick the winner.
 Everything lands in ``<sweep_dir>/best/confirm.json``.
 
-A confirmation is as resumable as the sweep: a repeat that an interrupted confirmation finished (its
-``result.json`` written, the same overrides) is read back, not re-run, and a time budget (a GPU lease, a Slurm
-allocation) starts no repeat that the trial it repeats says would overrun it. An incomplete confirmation writes
-and exports nothing; the same command goes on from where it stopped.
+A confirmation is as resumable as the sweep: a repeat that an interrupted confirmation finished successfully
+(its ``result.json`` written, the same plan) is read back, not re-run, and a time budget (a GPU lease, a Slurm
+allocation) starts no repeat that the trial it repeats says would overrun it. An incomplete confirmation writes no
+``confirm.json`` and names no winner; the same command goes on from where it stopped.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import optuna
-import yaml
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
@@ -178,12 +178,17 @@ def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat, reused
 
 
 def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> Optional[RunResult]:
-    """Repeat ``index`` of trial ``number`` as an earlier, interrupted confirmation finished it, if it did:
-    ``result.json`` is written last, so a run directory without it never counts."""
+    """Repeat ``index`` of trial ``number`` as an earlier, interrupted confirmation measured it, if it succeeded
+    under this very plan: ``result.json`` is written last, and ``plan.json`` must equal the plan this code makes
+    (the resolved config included, so a run under another commit's defaults is not reused). A failed repeat
+    runs again: the next lease may be another machine, and one OOM must not block the candidate for good."""
+    wanted = json.loads(json.dumps(plan.to_dict()))
     for run_dir in sorted((confirm_dir / "runs").glob(f"*-t{number}-r{index}-*")):
-        if (run_dir / RESULT_FILE).exists() and \
-                yaml.safe_load((run_dir / "overrides.yaml").read_text()) == list(plan.overrides):
-            return RunResult.read(run_dir)
+        if not (run_dir / RESULT_FILE).exists():
+            continue
+        result = RunResult.read(run_dir)
+        if result.ok and json.loads((run_dir / "plan.json").read_text()) == wanted:
+            return result
     return None
 
 

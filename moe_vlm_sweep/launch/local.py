@@ -24,16 +24,17 @@ from moe_vlm_sweep.plan.plan import RunPlan
 
 WORKER_MODULE = "moe_vlm_sweep.train.worker"
 KILL_GRACE_S = 10.0
-ALLOC_CONF_ENVS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-"""Where PyTorch reads its allocator settings: the generic name first (2.9+), then the CUDA one it still reads,
-which its CUDA allocator consults first. The launcher sets both to one value, so neither shadows the config."""
+ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where PyTorch's CUDA allocator reads its settings, in its order (``c10/cuda/CUDAAllocatorConfig.h``): the
+CUDA name, then the generic one (2.9+). The launcher sets both to one value, so neither shadows the config."""
 
 
 def cuda_alloc_conf(inherited: str | None, expandable_segments: bool) -> str:
     """The allocator settings the worker gets: the caller's own (a ``garbage_collection_threshold``, say) with
     ``expandable_segments`` always as ``train.expandable_segments`` says, so a run never depends on the shell's
     value of the one setting the config owns."""
-    kept = [item for item in (inherited or "").split(",") if item and not item.startswith("expandable_segments:")]
+    items = (item.strip() for item in (inherited or "").split(","))
+    kept = [item for item in items if item and not item.startswith("expandable_segments")]
     return ",".join([*kept, f"expandable_segments:{expandable_segments}"])
 
 

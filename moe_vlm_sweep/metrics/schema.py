@@ -127,8 +127,8 @@ class Metrics:
     """The planner's lower bound for GPU runs (``plan/memory.py``), to read next to the measured peak."""
     loss: Loss
     cuda_alloc_conf: Optional[str] = None
-    """PyTorch's allocator settings as the worker saw them (``PYTORCH_ALLOC_CONF``, which the launcher sets with
-    ``PYTORCH_CUDA_ALLOC_CONF`` from ``train.expandable_segments``)."""
+    """PyTorch's CUDA allocator settings as the worker saw them (``PYTORCH_CUDA_ALLOC_CONF``, which the launcher
+    sets from ``train.expandable_segments``); None for a worker started without the launcher."""
     wall_s: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds of the worker's parts on rank 0: ``startup.imports`` (interpreter and imports),
     ``startup.init`` (process groups), ``startup.build``, ``startup.wrap`` (DDP or FSDP, optimizer), then

@@ -1,8 +1,8 @@
 """A sweep process's wall-clock budget (``sweep.time_budget_s``): the end of a Slurm allocation or a GPU lease.
 
 A trial killed at the allocation's end is time spent for nothing, so no trial starts that the slowest trial seen
-(the study's finished ones, then this process's) says would overrun the budget, and no confirmation starts whose
-re-runs, each as long as the trial it repeats, would; the next run resumes the study.
+(the study's finished ones, then this process's) says would overrun the budget, and no confirmation re-run that
+the trial it repeats says would; the next run resumes the study and the confirmation.
 """
 
 from __future__ import annotations
