@@ -322,3 +322,14 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
               conf=conf).stdout
     assert f"best: trial #{winner['trial']} stays exported (it held in an earlier confirmation)" in out, out[-2000:]
     assert "after confirmation re-runs" in (conf / "experiment" / f"{study.study_name}_best.yaml").read_text()
+
+
+def test_a_space_in_the_old_list_form_of_fixed_fails_naming_the_knob(tmp_path):
+    """Spaces wrote ``fixed`` as a list of override strings before it became a mapping; such a file composes and
+    is refused by the spec's own check, not by a merge error that names no key."""
+    space = HEADER + "n_trials: 1\nfixed: [model=tiny]\nparams:\n  batch.mbs: [1, 2]\n"
+    conf = private_conf(tmp_path, {"old": space})
+    proc = cli(["run", "-m", "sweep=old"], cwd=tmp_path, conf=conf, check=False)
+    assert proc.returncode != 0
+    assert "sweep.fixed must map override keys to values" in proc.stderr and "['model=tiny']" in proc.stderr
+    assert not (tmp_path / "outputs" / "sweeps").exists()

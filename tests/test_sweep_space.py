@@ -159,7 +159,7 @@ def test_spec_errors_name_the_knob():
 
 
 @pytest.mark.parametrize("fixed, message", [
-    (["model=tiny"], r"sweep.fixed must map override keys to values .* not list 'key=value' strings"),
+    (["model=tiny"], r"sweep.fixed must map override keys to values .* not list \['model=tiny'\]"),
     ({"model": {"text_tokens": 1089}}, r"sweep.fixed.model is a mapping; .* dotted keys"),
 ])
 def test_fixed_must_map_keys_to_override_values(fixed, message):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_vlm_sweep.config.typed import to_typed
@@ -78,9 +78,11 @@ class SweepConf:
     """Optuna storage URL; None: SQLite under the sweep directory. ``postgresql://...`` for many workers."""
     sampler: str = "tpe"
     objective: ObjectiveConf = field(default_factory=ObjectiveConf)
-    fixed: dict[str, Any] = field(default_factory=dict)
+    fixed: Any = None
     """Hydra overrides applied to every trial, override key -> value (``{model: tiny, train.steps: 3}``); part of
-    the study identity. A mapping, so a space that extends another lists only the entries it adds or changes."""
+    the study identity. A mapping, so a space that extends another lists only the entries it adds or changes.
+    Untyped with no default mapping, so that a space still in the old list form composes and reaches the check
+    below, which names ``sweep.fixed``; a mapping node would fail inside Hydra's merge with no key named."""
     params: dict[str, Any] = field(default_factory=dict)
     """The search space: knob -> distribution (see ``moe_vlm_sweep.sweep.space``)."""
     first_trials: list[dict[str, Any]] = field(default_factory=list)
@@ -113,6 +115,10 @@ class SweepConf:
             raise SweepSpecError(f"sweep.confirm={self.confirm} must be >= 0")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise SweepSpecError(f"sweep.time_budget_s={self.time_budget_s} must be > 0 (or null: no limit)")
+        self.fixed = {} if self.fixed is None else self.fixed
+        if not isinstance(self.fixed, dict):
+            raise SweepSpecError(f"sweep.fixed must map override keys to values ({{model: tiny, train.steps: 3}}), "
+                                 f"not {type(self.fixed).__name__} {self.fixed!r}")
         for key, value in self.fixed.items():
             if isinstance(value, dict):
                 raise SweepSpecError(f"sweep.fixed.{key} is a mapping; an override's value is a scalar or a list, "
@@ -124,18 +130,9 @@ def load_spec(node: DictConfig | dict | None) -> SweepConf:
     def wrap(exc: OmegaConfBaseException) -> SweepSpecError:
         return SweepSpecError(f"sweep: {exc}".replace("full_key: ", "full_key: sweep."))
 
-    _check_fixed_is_a_mapping(node)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SweepConf), node if node is not None else {})
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ or exc.__context__
         raise (cause if isinstance(cause, SweepSpecError) else wrap(exc)) from None
     return to_typed(merged, own_error=SweepSpecError, wrap=wrap)
-
-
-def _check_fixed_is_a_mapping(node: DictConfig | dict | None) -> None:
-    """The old list form (``fixed: [model=tiny]``) fails OmegaConf's merge with no key named; name it here."""
-    fixed = node.get("fixed") if node is not None else None
-    if isinstance(fixed, (list, ListConfig)):
-        raise SweepSpecError(f"sweep.fixed must map override keys to values ({{model: tiny, train.steps: 3}}), "
-                             f"not list 'key=value' strings (got {list(fixed)})")
