@@ -217,7 +217,7 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
     if name == "h200_proxy":  # it extends h200_single: its knobs, the proxy model and its own micro-batches
         assert "cuda_graph" in spec.params and spec.params["batch.mbs"] == [1, 2, 4]
         assert "model=qwen3_vl_30b_a3b_proxy" in fixed
-    assert Path(CONF_DIR / "sweep").resolve().name == "sweeps"
+    assert (CONF_DIR / "sweep").is_dir() and not (CONF_DIR / "sweep").is_symlink()
 
 
 COMMITTED_STUDIES = {"h200_single": "h200_single-22158414", "h200_proxy": "h200_proxy-afbde3bd",

@@ -18,7 +18,7 @@ from moe_vlm_sweep.config.store import register
 from moe_vlm_sweep.config.typed import to_typed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = Path(os.environ.get("MOE_VLM_SWEEP_CONF", REPO_ROOT / "conf"))
+CONF_DIR = Path(os.environ.get("MOE_VLM_SWEEP_CONF", Path(__file__).resolve().parents[1] / "conf"))
 
 
 class CompositionError(ValueError):
