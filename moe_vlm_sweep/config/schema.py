@@ -262,7 +262,11 @@ class FusionsConf:
     (with the unfused loss it lets MBS 96 fit: ``benchmarks/results/h200_small_fused/``), not alone for speed, so
     it is not a default; ``benchmarks/h200_call.sh``'s ``fusions`` step measures it. ``moe_router`` (megatron's
     ``moe_router_fusion``: TE's fused top-k with its score function and the aux-loss statistics, where unfused
-    megatron runs a dozen small kernels per MoE layer) is not yet measured on the H200 either."""
+    megatron runs a dozen small kernels per MoE layer) is not yet measured on the H200 either.
+    ``linear_cross_entropy`` is the project's own fusion (``model/linear_cross_entropy.py``): the output layer and
+    the loss computed a chunk of tokens at a time, so the whole logits and their fp32 copy never exist; it replaces
+    megatron's loss, so ``cross_entropy`` under ``auto`` resolves off beside it. Off unless set, like the others
+    whose effect is measured in ``benchmarks/results/``."""
 
     name: str = "auto"
     bias_dropout: Optional[bool] = None
@@ -273,13 +277,17 @@ class FusionsConf:
     gradient_accumulation: Optional[bool] = None
     bias_activation: Optional[bool] = None
     moe_router: Optional[bool] = None
+    linear_cross_entropy: Optional[bool] = None
 
     FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation",
-              "bias_activation", "moe_router")
-    OFF_UNLESS_SET = ("gradient_accumulation", "bias_activation", "moe_router")
+              "bias_activation", "moe_router", "linear_cross_entropy")
+    OFF_UNLESS_SET = ("gradient_accumulation", "bias_activation", "moe_router", "linear_cross_entropy")
+    GPU_ONLY = tuple(name for name in FIELDS if name != "linear_cross_entropy")  # plain torch: runs on the CPU
 
     def resolved(self, *, on_gpu: bool) -> dict[str, bool]:
         auto = {name: on_gpu and name not in self.OFF_UNLESS_SET for name in self.FIELDS}
+        if self.linear_cross_entropy:
+            auto["cross_entropy"] = False
         return {name: auto[name] if getattr(self, name) is None else getattr(self, name) for name in self.FIELDS}
 
 

@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX
+from moe_vlm_sweep.model import linear_cross_entropy
 from moe_vlm_sweep.plan.plan import RunPlan
 
 
@@ -169,5 +170,7 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
         model.freeze(freeze_language_model=False, freeze_vision_model=cfg.vision.freeze_encoder,
                      freeze_vision_projection=cfg.vision.freeze_projector)
         model.model_type = ModelType.encoder_or_decoder  # the pipeline schedules raise without it
+        if plan.fusions["linear_cross_entropy"]:
+            linear_cross_entropy.install(model.language_model)
         chunks.append(model)
     return chunks

@@ -136,11 +136,23 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
             "decoder.output": _output_bytes(cfg, tokens, element_bytes)}
 
 
+LINEAR_CE_CHUNK_BYTES = 2**29
+"""The fp32 logits of one chunk of the fused linear cross-entropy (``fusions.linear_cross_entropy``): large
+enough that each chunk's GEMMs stay efficient, small next to the whole logits it replaces."""
+
+
+def linear_ce_chunk_tokens(vocab_shard: int) -> int:
+    """Tokens per chunk of the fused linear cross-entropy, for a vocabulary shard of ``vocab_shard`` entries."""
+    return max(1, LINEAR_CE_CHUNK_BYTES // (4 * vocab_shard))
+
+
 def _output_bytes(cfg: RunConfig, tokens: float, element_bytes: int) -> float:
-    """The output layer's input and the fp32 logits the loss keeps, on the last pipeline stage only."""
+    """The output layer's input and what the loss keeps for backward, on the last pipeline stage only: the fp32
+    logits, or under the fused linear cross-entropy one fp32 log-sum-exp per token."""
     if cfg.parallel.pp > 1:
         return 0.0
-    return tokens * element_bytes * cfg.model.decoder.hidden_size + 4 * _logits(cfg, tokens)
+    kept = 4 * tokens if _fused(cfg, "linear_cross_entropy") else 4 * _logits(cfg, tokens)
+    return tokens * element_bytes * cfg.model.decoder.hidden_size + kept
 
 
 def _logits(cfg: RunConfig, tokens: float) -> float:
@@ -160,8 +172,10 @@ def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT
     if cfg.cuda_graph.impl != "none":
         return 0.0
     d, tokens = cfg.model.decoder, _decoder_tokens(cfg, seq_length)
-    fused_loss = _fused(cfg, "cross_entropy")
-    loss = _logits(cfg, tokens) * (element_bytes + 4 * fused_loss)
+    if _fused(cfg, "linear_cross_entropy"):
+        loss = _linear_ce_transient(cfg, tokens, element_bytes)
+    else:
+        loss = _logits(cfg, tokens) * (element_bytes + 4 * _fused(cfg, "cross_entropy"))
     layer = 0.0
     if cfg.recompute.granularity == "full":
         kinds = [moe for moe, count in ((True, d.num_moe_layers), (False, d.num_layers - d.num_moe_layers)) if count]
@@ -169,6 +183,17 @@ def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT
                                                             fused_swiglu=_fused(cfg, "bias_activation"))
                              for moe in kinds) - _output_bytes(cfg, tokens, element_bytes)
     return max(loss, layer)
+
+
+def _linear_ce_transient(cfg: RunConfig, tokens: float, element_bytes: int) -> float:
+    """The fused linear cross-entropy's backward at its peak: one chunk's fp32 probabilities and their cast, the
+    fp32 weight-gradient accumulator and the hidden states' gradient (``model/linear_cross_entropy.py``)."""
+    p, d = cfg.parallel, cfg.model.decoder
+    if p.pp > 1:
+        return 0.0
+    shard = d.vocab_size / p.tp
+    chunk = min(tokens * (p.tp if p.sp else 1), linear_ce_chunk_tokens(int(shard)))
+    return chunk * shard * (4 + element_bytes) + 4 * shard * d.hidden_size + tokens * element_bytes * d.hidden_size
 
 
 def _fused(cfg: RunConfig, fusion: str) -> bool:

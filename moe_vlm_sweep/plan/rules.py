@@ -90,7 +90,7 @@ def cuda_graphs_need_gpu(cfg: RunConfig) -> Optional[str]:
 @rule
 def fusions_need_gpu(cfg: RunConfig) -> Optional[str]:
     if cfg.hardware.device == "cpu":
-        on = [name for name in cfg.fusions.FIELDS if getattr(cfg.fusions, name)]
+        on = [name for name in cfg.fusions.GPU_ONLY if getattr(cfg.fusions, name)]
         if on:
             return f"fusions.{on[0]}=true needs GPU hardware (CUDA kernels), not hardware=cpu"
 
