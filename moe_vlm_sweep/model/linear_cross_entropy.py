@@ -33,6 +33,15 @@ from megatron.core.tensor_parallel.mappings import (
 from moe_vlm_sweep.plan.memory import linear_ce_chunk_tokens
 
 
+def _gpu_kernels(hidden: torch.Tensor):
+    """The Triton kernels for a CUDA tensor (``linear_cross_entropy_kernels``), else None: plain torch ops."""
+    if not hidden.is_cuda:
+        return None
+    from moe_vlm_sweep.model import linear_cross_entropy_kernels
+
+    return linear_cross_entropy_kernels
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Per-token loss of ``hidden @ weight.T`` against ``labels`` over a vocabulary shard ``[start, start+V)``."""
 
@@ -41,6 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 tp_group: Any, chunk: int) -> torch.Tensor:
         n = hidden.shape[0]
         vocab = weight.shape[0]
+        kernels = _gpu_kernels(hidden)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 statistics for bf16 logits
         local = labels - vocab_start
         in_shard = (local >= 0) & (local < vocab)
@@ -50,11 +60,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         picked = torch.empty_like(maxes)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            logits = torch.matmul(hidden[lo:hi], weight.t()).to(acc)
-            m = logits.max(dim=-1).values
-            maxes[lo:hi] = m
-            sums[lo:hi] = torch.exp(logits - m[:, None]).sum(dim=-1)
-            picked[lo:hi] = logits.gather(1, local[lo:hi, None]).squeeze(1)
+            logits = torch.matmul(hidden[lo:hi], weight.t())
+            picked[lo:hi] = logits.gather(1, local[lo:hi, None]).squeeze(1).to(acc)
+            if kernels is not None:
+                maxes[lo:hi], sums[lo:hi] = kernels.max_and_sum(logits)
+            else:
+                logits = logits.to(acc)
+                m = logits.max(dim=-1).values
+                maxes[lo:hi] = m
+                sums[lo:hi] = torch.exp(logits - m[:, None]).sum(dim=-1)
             del logits
         tp = tp_group is not None and dist.get_world_size(tp_group) > 1
         if tp:
@@ -77,19 +91,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         hidden, weight, local, in_shard, lse = ctx.saved_tensors
         n, chunk = hidden.shape[0], ctx.chunk
-        grad_loss = grad_loss.to(lse.dtype)
+        kernels = _gpu_kernels(hidden)
+        grad_loss = grad_loss.to(lse.dtype).contiguous()
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
         rows = torch.arange(chunk, device=hidden.device)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            probs = torch.matmul(hidden[lo:hi], weight.t()).to(lse.dtype)
-            probs.sub_(lse[lo:hi, None]).exp_()
-            onehot = in_shard[lo:hi].to(lse.dtype)
-            probs[rows[: hi - lo], local[lo:hi]] -= onehot
-            probs.mul_(grad_loss[lo:hi, None])
-            grad_logits = probs.to(hidden.dtype)
-            del probs
+            logits = torch.matmul(hidden[lo:hi], weight.t())
+            if kernels is not None:
+                grad_logits = kernels.grad_in_place(logits, lse[lo:hi], local[lo:hi], in_shard[lo:hi],
+                                                    grad_loss[lo:hi])
+            else:
+                probs = logits.to(lse.dtype).sub_(lse[lo:hi, None]).exp_()
+                probs[rows[: hi - lo], local[lo:hi]] -= in_shard[lo:hi].to(lse.dtype)
+                grad_logits = probs.mul_(grad_loss[lo:hi, None]).to(hidden.dtype)
+                del probs
+            del logits
             grad_hidden[lo:hi] = torch.matmul(grad_logits, weight)
             grad_weight.add_(torch.matmul(grad_logits.t(), hidden[lo:hi]).to(lse.dtype))
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
