@@ -166,6 +166,12 @@ class ParallelConf:
     etp: int = 1
     sp: bool = False
     fsdp_sharding: str = "optim_grads_params"
+    overlap_grad_reduce: bool = False
+    """Reduce each data-parallel gradient bucket as soon as backward fills it, overlapping the communication with
+    the rest of backward (megatron's DDP and Megatron-FSDP), instead of one reduction after the last micro-batch."""
+    overlap_param_gather: bool = False
+    """Gather the distributed optimizer's updated parameters bucket by bucket in the next step's forward, instead of
+    all at once after the optimizer step; megatron pairs it with ``overlap_grad_reduce``."""
 
     def __post_init__(self) -> None:
         _choice("parallel.strategy", self.strategy, ("fsdp", "3d"))

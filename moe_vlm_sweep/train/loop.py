@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from moe_vlm_sweep.config.schema import ParallelConf
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
 from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
@@ -112,8 +113,9 @@ def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):
     config = chunks[0].config
     bf16, fsdp = plan.precision == "bf16", cfg.parallel.strategy == "fsdp"
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        overlap_param_gather=False, use_megatron_fsdp=fsdp,
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, overlap_param_gather=cfg.parallel.overlap_param_gather,
+        use_megatron_fsdp=fsdp,
         data_parallel_sharding_strategy=cfg.parallel.fsdp_sharding if fsdp else "no_shard",
         gradient_reduce_div_fusion=plan.device == "cuda",  # gloo has no PREMUL_SUM
     )
@@ -133,7 +135,20 @@ def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+    _set_sync_funcs(config, models, cfg.parallel)
     return models, optimizer
+
+
+def _set_sync_funcs(config: Any, models: list, parallel: ParallelConf) -> None:
+    """What the pipeline schedules call to overlap data-parallel communication, set as Megatron-LM's training
+    setup sets them (its defaults: gradients aligned, parameter gathers left to the modules' forward hooks): no
+    gradient sync until the last micro-batch, then bucket by bucket as backward fills them."""
+    def one_or_list(funcs: list) -> Any:
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    if parallel.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([model.no_sync for model in models])
+        config.grad_sync_func = one_or_list([model.start_grad_sync for model in models])
 
 
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
