@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +179,25 @@ def test_fused_swiglu_reaches_every_megatron_config_and_the_memory_estimate(fuse
     unfused = activation_parts(compose_run_config(overrides), plan.seq_length)
     saved = 3 * d.moe_router_topk * d.moe_ffn_hidden_size * 2 * cfg.batch.mbs * plan.seq_length * d.num_layers
     assert unfused["decoder.layers"] - activation_parts(cfg, plan.seq_length)["decoder.layers"] == saved * fused
+
+
+def _slowest_of_two(rank: int, store_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    from moe_vlm_sweep.config.schema import RunConfig
+    from moe_vlm_sweep.plan.plan import make_plan
+    from moe_vlm_sweep.train.worker import _slowest_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    times = _slowest_rank([[1.0, 5.0], [3.0, 2.0]][rank], make_plan(RunConfig()))
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def test_a_step_takes_as_long_as_its_slowest_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "times.json"
+    mp.spawn(_slowest_of_two, args=(str(tmp_path / "store"), str(out)), nprocs=2)
+    assert json.loads(out.read_text()) == [3.0, 5.0]

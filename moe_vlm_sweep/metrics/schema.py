@@ -24,7 +24,8 @@ COMPONENTS = ("vision_encoder", "projector", "decoder")
 
 @dataclass(kw_only=True)
 class StepTimes:
-    """Steady-state optimizer-step times in seconds over the measured steps (warmup excluded)."""
+    """Steady-state optimizer-step times in seconds over the measured steps (warmup excluded), each step on its
+    slowest rank."""
 
     median: float
     p10: float

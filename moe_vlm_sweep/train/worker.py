@@ -157,6 +157,14 @@ def _peak_memory_gib(plan: RunPlan) -> tuple[float, str]:
     return float(peak) / 2**30, f"{source} (max over ranks)"
 
 
+def _slowest_rank(step_times: list[float], plan: RunPlan) -> list[float]:
+    """Each step's time on the slowest rank: a step of the job ends when its last rank ends (ranks that finish a
+    step early wait in the next step's first collective, which their own clocks would count elsewhere)."""
+    times = torch.tensor(step_times, dtype=torch.float64, device="cuda" if plan.device == "cuda" else "cpu")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     pos = q * (len(ordered) - 1)
@@ -281,6 +289,8 @@ def run(run_dir: Path) -> None:
         clock.mark("wrap")
         result = trainer.run(on_step=_note_step, trace_dir=run_dir if cfg.train.trace else None)
     memory = _peak_memory_gib(plan)
+    result.step_times = _slowest_rank(result.step_times, plan)
+    result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
     if dist.get_rank() == 0:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
