@@ -11,7 +11,9 @@ runs, for real:
   (``model/build.py``: ``decoder_config``, ``vision_config``, ``projector_config``);
 - ``get_num_layers_to_build`` for every pipeline rank and virtual stage (``transformer_block.py``);
 - the token dispatcher's constructor the decoder's MoE layers build (``token_dispatcher.py``);
-- the interleaved pipeline schedule (``schedules.py``) up to its first forward step, with stand-in model chunks.
+- the interleaved pipeline schedule (``schedules.py``) up to its first forward step, with stand-in model chunks;
+- for plans on megatron's local specs, ``LLaVAModel``'s constructor checks (``llava_model.py``), through the
+  worker's own ``build_model_chunks``, up to where LLaVA starts building its language model.
 
 Stood in, because Transformer Engine, DeepEP and CUDA are absent on the CPU (see ``STOOD_IN``).
 """
@@ -27,18 +29,30 @@ from typing import Iterator, Optional
 
 STOOD_IN = (
     "TE's fused kernels: TransformerConfig refuses moe_permute_fusion and apply_rope_fusion unless "
-    "transformer_engine provides them; they are marked present, as on GPU hardware the worker's preflight requires "
-    "transformer_engine",
+    "transformer_engine provides them; they are marked present, as on a GPU machine with TE (the worker's "
+    "preflight requires transformer_engine for TE specs)",
     "DeepEP and HybridEP: the flex dispatcher's constructor makes its own checks, then its manager raises "
     "ImportError for the absent package; that ImportError counts as accepted (the preflight checks the package)",
     "process groups: torch's fake backend, so groups are created and sized as on the cluster but never communicate",
     "CUDA: the worker's CPU patches (train/cpu_compat.py) stand in for device placement in the dispatcher and the "
-    "schedule",
+    "schedule; for GPU plans LLaVA's own TE attention check is restored (the CPU patches lift it)",
+    "LLaVA on TE specs: TE's layer specs need transformer_engine, so LLaVA's constructor checks run for plans on "
+    "local specs only",
 )
+
+LLAVA_SOURCE = "megatron/core/models/multimodal/llava_model.py"
+"""The file whose checks ``_llava`` runs for plans on local specs."""
+
+
+_UNPATCHED_LLAVA: tuple = (False, None)
 
 
 class _FirstForwardStep(Exception):
     """Raised by the stand-in forward step: the schedule got past its checks."""
+
+
+class _LanguageModelStarts(Exception):
+    """Raised where LLaVA starts building its GPTModel: its constructor's checks have passed."""
 
 
 @contextlib.contextmanager
@@ -107,7 +121,32 @@ def _interleaved_schedule(lm, plan) -> None:
         pass
 
 
-def _check(plan) -> None:
+def _llava(plan, reached: dict) -> None:
+    """LLaVA's constructor checks through the worker's own build, for plans on local specs."""
+    from megatron.core.models.multimodal import llava_model
+
+    from moe_vlm_sweep.model.build import build_model_chunks
+
+    if plan.transformer_impl == "transformer_engine":
+        return
+    reached["llava"] = True
+
+    def language_model(*args, **kwargs):
+        raise _LanguageModelStarts
+
+    saved = llava_model.HAVE_TE, llava_model.TEDotProductAttention, llava_model.GPTModel
+    if plan.device == "cuda":  # undo cpu_compat's patch 11: on a GPU LLaVA's check stands
+        llava_model.HAVE_TE, llava_model.TEDotProductAttention = _UNPATCHED_LLAVA
+    llava_model.GPTModel = language_model
+    try:
+        build_model_chunks(plan)
+    except _LanguageModelStarts:
+        pass
+    finally:
+        llava_model.HAVE_TE, llava_model.TEDotProductAttention, llava_model.GPTModel = saved
+
+
+def _check(plan, reached: dict) -> None:
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import (
         destroy_num_microbatches_calculator,
@@ -135,18 +174,23 @@ def _check(plan) -> None:
         _dispatcher(lm)
         if lay.vpp > 1:
             _interleaved_schedule(lm, plan)
+        with _te_fused_kernels_present():
+            _llava(plan, reached)
     finally:
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
 
 
-def verdict(plan) -> Optional[str]:
-    """None if megatron-core accepts the plan, else its error as ``Type: message``."""
+def verdict(plan) -> dict:
+    """``refused``: None if megatron-core accepts the plan, else its error as ``Type: message``; ``llava``: whether
+    LLaVA's constructor checks were reached (they run last, and for plans on local specs only)."""
+    reached = {"llava": False}
     try:
-        _check(plan)
+        _check(plan, reached)
+        refused = None
     except (ValueError, AssertionError, RuntimeError, ZeroDivisionError) as exc:
-        return f"{type(exc).__name__}: {exc}".strip()
-    return None
+        refused = f"{type(exc).__name__}: {exc}".strip()
+    return {"refused": refused, **reached}
 
 
 def main(argv: list[str]) -> int:
@@ -154,15 +198,19 @@ def main(argv: list[str]) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe_vlm_sweep.plan.plan import RunPlan
+    from megatron.core.models.multimodal import llava_model
+
     from moe_vlm_sweep.train import cpu_compat
 
+    global _UNPATCHED_LLAVA
     warnings.simplefilter("ignore")
+    _UNPATCHED_LLAVA = llava_model.HAVE_TE, getattr(llava_model, "TEDotProductAttention", None)
     cpu_compat.apply()
     plans = [RunPlan.from_dict(d) for d in json.loads(open(argv[0]).read())]
     by_world = defaultdict(list)
     for i, plan in enumerate(plans):
         by_world[plan.layout.world_size].append(i)
-    verdicts: list[Optional[str]] = [None] * len(plans)
+    verdicts: list[Optional[dict]] = [None] * len(plans)
     for world, indices in sorted(by_world.items()):
         dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
         try:

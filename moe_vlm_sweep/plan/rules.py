@@ -217,7 +217,8 @@ def tp_divides_vision_heads(cfg: RunConfig) -> Optional[str]:
                 "(the ViT runs with the decoder's TP)")
 
 
-@rule(Basis.MEGATRON, "megatron/core/transformer/transformer_block.py: get_num_layers_to_build, num_layers % pipeline_model_parallel_size == 0 and layers per rank % vp_size == 0")
+@rule(Basis.MEGATRON, "megatron/core/transformer/transformer_block.py: get_num_layers_to_build, num_layers % "
+                      "pipeline_model_parallel_size == 0 and layers per rank % vp_size == 0")
 def pp_divides_layers(cfg: RunConfig) -> Optional[str]:
     p, layers = cfg.parallel, cfg.model.decoder.num_layers
     if layers % (p.pp * p.vpp):
@@ -237,7 +238,8 @@ def ep_divides_experts(cfg: RunConfig) -> Optional[str]:
         return f"parallel.ep={cfg.parallel.ep} must divide model.decoder.num_experts={cfg.model.decoder.num_experts}"
 
 
-@rule(Basis.MODEL_BUILD, "megatron/core/transformer/moe/experts.py: divide(moe_ffn_hidden_size, expert tensor parallel size)")
+@rule(Basis.MODEL_BUILD, "megatron/core/tensor_parallel/layers.py: the experts' ColumnParallelLinear, "
+                         "divide(moe_ffn_hidden_size, expert tensor parallel size)")
 def etp_divides_expert_ffn(cfg: RunConfig) -> Optional[str]:
     d = cfg.model.decoder
     if d.moe_ffn_hidden_size % cfg.parallel.etp:
@@ -245,20 +247,23 @@ def etp_divides_expert_ffn(cfg: RunConfig) -> Optional[str]:
                 f"model.decoder.moe_ffn_hidden_size={d.moe_ffn_hidden_size}")
 
 
-@rule(Basis.MEGATRON, "megatron/core/model_parallel_config.py: Cannot use sequence parallelism without tensor parallelism")
+@rule(Basis.MEGATRON, "megatron/core/model_parallel_config.py: Cannot use sequence parallelism without tensor "
+                      "parallelism")
 def sp_needs_tp(cfg: RunConfig) -> Optional[str]:
     if cfg.parallel.sp and cfg.parallel.tp == 1:
         return "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the TP group)"
 
 
-@rule(Basis.RUNTIME, "megatron/core/transformer/moe/moe_layer.py: forward raises when training with a TP group > 1 and not sequence_parallel")
+@rule(Basis.RUNTIME, "megatron/core/transformer/moe/moe_layer.py: forward raises when training with a TP group > 1 "
+                     "and not sequence_parallel")
 def moe_with_tp_needs_sp(cfg: RunConfig) -> Optional[str]:
     if cfg.parallel.tp > 1 and not cfg.parallel.sp:
         return (f"parallel.tp={cfg.parallel.tp} with MoE layers needs parallel.sp=true "
                 "(megatron-core's MoE layer raises during training otherwise)")
 
 
-@rule(Basis.MODEL_BUILD, f"{LLAVA}: under SP or CP, language_transformer_layer_spec.submodules must be TransformerLayerSubmodules")
+@rule(Basis.MODEL_BUILD, f"{LLAVA}: under SP or CP, language_transformer_layer_spec.submodules must be "
+                         "TransformerLayerSubmodules")
 def sp_needs_uniform_layers(cfg: RunConfig) -> Optional[str]:
     freq = cfg.model.decoder.moe_layer_freq
     if (cfg.parallel.sp or cfg.parallel.cp > 1) and freq > 1:
@@ -290,7 +295,8 @@ def fsdp_has_no_pipeline(cfg: RunConfig) -> Optional[str]:
         return f"parallel.pp={cfg.parallel.pp} with parallel=fsdp: Megatron-FSDP does not pipeline; use parallel=3d"
 
 
-@rule(Basis.MEGATRON, "megatron/core/num_microbatches_calculator.py: global_batch_size % (micro_batch_size * data_parallel_size) == 0")
+@rule(Basis.MEGATRON, "megatron/core/num_microbatches_calculator.py: global_batch_size % (micro_batch_size * "
+                      "data_parallel_size) == 0")
 def gbs_divisible_by_mbs_dp(cfg: RunConfig) -> Optional[str]:
     b, dp = cfg.batch, _dp(cfg)
     if dp >= 1 and b.gbs % (b.mbs * dp):
@@ -365,7 +371,8 @@ def recompute_layers_fit_stage(cfg: RunConfig) -> Optional[str]:
 @rule(Basis.MEGATRON, f"{TC}: moe_act in recompute_modules is only supported with moe_grouped_gemm")
 def moe_act_recompute_needs_te(cfg: RunConfig) -> Optional[str]:
     if "moe_act" in cfg.recompute.modules and not _uses_te(cfg):
-        return "recompute.modules contains moe_act, which needs TE grouped GEMM (train.transformer_impl=transformer_engine)"
+        return ("recompute.modules contains moe_act, which needs TE grouped GEMM "
+                "(train.transformer_impl=transformer_engine)")
 
 
 @rule(Basis.IGNORED)
