@@ -31,7 +31,8 @@ class Basis(enum.Enum):
     """A check megatron-core makes before a model runs (``TransformerConfig``, ``parallel_state``, the micro-batch
     calculator, the pipeline schedule, the token dispatcher's constructor); ``source`` names it."""
     MODEL_BUILD = "LLaVA model construction"
-    """megatron-core refuses it while it builds the LLaVA model's layers (``source`` names the check)."""
+    """megatron-core refuses it while it builds the LLaVA model and its layers (``source`` names the check); the
+    differential test runs LLaVA's own constructor checks for local specs, not the layers'."""
     MEMORY = "memory"
     """megatron-core would start it; it cannot fit the GPU (``plan/memory.py``)."""
     RUNTIME = "machine/runtime"
