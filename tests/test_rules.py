@@ -9,7 +9,7 @@ import pytest
 
 from moe_vlm_sweep.cli import EXIT_INVALID, main
 from moe_vlm_sweep.config.compose import compose_run_config
-from moe_vlm_sweep.plan.rules import RULES, graphs_unfuse_attention, packing_unfuses_attention
+from moe_vlm_sweep.plan.rules import RULES, Basis, graphs_unfuse_attention, packing_unfuses_attention
 
 T2 = ["launcher=torchrun", "launcher.nproc_per_node=2"]
 GPU = ["hardware=h200"]
@@ -30,8 +30,19 @@ CASES: dict[str, tuple[list[str], str]] = {
     "expert_layout_divides_world": ([*T2, "parallel.ep=4"], "parallel.etp*ep*pp=1*4*1=4 must divide the world size 2"),
     "tp_divides_heads": ([*GPU, "launcher=torchrun", "launcher.nproc_per_node=8", "parallel=3d", "parallel.tp=8",
                           "parallel.sp=true"], "parallel.tp=8 must divide model.decoder.num_attention_heads=4"),
-    "tp_divides_query_groups": ([*GPU, "launcher=torchrun", "launcher.nproc_per_node=4", "parallel=3d", "parallel.tp=4",
-                                 "parallel.sp=true"], "parallel.tp=4 must divide model.decoder.num_query_groups=2"),
+    # tiny has 4 heads in 2 KV groups; 6 heads in 3 groups at TP 2 are neither a multiple nor a divisor
+    "tp_and_query_groups_divide": ([*GPU, *T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true",
+                                    "model.decoder.num_attention_heads=6", "model.decoder.num_query_groups=3",
+                                    "model.decoder.kv_channels=16"],
+                                   "parallel.tp=2 must be a multiple or a divisor of model.decoder.num_query_groups=3 "
+                                   "(megatron/core/transformer/transformer_config.py: num_query_groups % "
+                                   "tensor_model_parallel_size == 0 or"),
+    # 4 groups at TP 8 replicate the KV heads, but the fused QKV's 3 x (8 + 2 x 1) = 30 outputs do not split in 4
+    "tp_divides_fused_qkv": ([*GPU, "launcher=torchrun", "launcher.nproc_per_node=4", "parallel=3d", "parallel.tp=4",
+                              "parallel.sp=true", "model.decoder.num_attention_heads=8",
+                              "model.decoder.num_query_groups=1", "model.decoder.kv_channels=3",
+                              "model.vision.num_attention_heads=4"],
+                             "parallel.tp=4 must divide the fused QKV width 30"),
     "tp_divides_vision_heads": ([*T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true",
                                  "model.vision.num_attention_heads=1"],
                                 "parallel.tp=2 must divide model.vision.num_attention_heads=1"),
@@ -47,16 +58,25 @@ CASES: dict[str, tuple[list[str], str]] = {
     "moe_with_tp_needs_sp": ([*T2, "parallel=3d", "parallel.tp=2"], "parallel.tp=2 with MoE layers needs parallel.sp=true"),
     "sp_needs_uniform_layers": ([*T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true", "model.decoder.moe_layer_freq=2"],
                                 "model.decoder.moe_layer_freq=2 with parallel.sp/cp"),
-    "cp_divides_sequence": ([*GPU, *T2, "parallel=3d", "parallel.cp=2", "model.text_tokens=66"],
-                            "parallel.cp=2 needs the decoder sequence length 81 to be divisible by 2*cp=4"),
     "cp_needs_te": ([*T2, "parallel=3d", "parallel.cp=2"], "parallel.cp=2 needs Transformer Engine attention"),
+    "sp_on_gpu_needs_te": ([*GPU, *T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true",
+                            "train.transformer_impl=local"],
+                           "parallel.sp=true on GPU hardware needs train.transformer_impl=transformer_engine"),
     "fsdp_has_no_pipeline": ([*T2, "parallel=fsdp", "parallel.pp=2"], "parallel.pp=2 with parallel=fsdp"),
     "gbs_divisible_by_mbs_dp": (["batch.mbs=3", "batch.gbs=4"], "batch.gbs=4 must be divisible by batch.mbs*dp=3*1=3"),
+    "interleaving_needs_whole_microbatch_groups": (
+        [*GPU, "launcher=torchrun", "launcher.nproc_per_node=4", "parallel=3d", "parallel.pp=4", "parallel.vpp=2",
+         "model.decoder.num_layers=8", "batch.mbs=1", "batch.gbs=6"],
+        "parallel.vpp=2 interleaves the pipeline, which needs the micro-batches per step (batch.gbs / (batch.mbs * "
+        "dp) = 6 / (1 * 1) = 6) to be a multiple of parallel.pp=4"),
     "spatial_merge_needs_even_grid": (["model.vision.spatial_merge=2", "model.vision.image_size=42"],
                                       "model.vision.spatial_merge=2 must divide the patch grid side 3"),
     "selective_needs_modules": (["recompute=selective", "recompute.modules=[]"],
                                 "recompute.modules=[] with recompute=selective"),
-    "full_recompute_fields": (["recompute=full", "recompute.method=null"], "recompute=full needs recompute.method"),
+    "full_recompute_needs_method": (["recompute=full", "recompute.method=null"],
+                                    "recompute=full needs recompute.method"),
+    "full_recompute_fields": (["recompute=full", "recompute.num_layers=null"],
+                              "recompute=full needs recompute.num_layers"),
     "recompute_layers_fit_stage": (["recompute=full", "recompute.num_layers=3"],
                                    "recompute.num_layers=3 must be <= the 2 decoder layers"),
     "moe_act_recompute_needs_te": (["recompute=selective", "recompute.modules=[moe_act]"],
@@ -81,9 +101,12 @@ CASES: dict[str, tuple[list[str], str]] = {
     "graph_mamba_needs_mamba": ([*GPU, "cuda_graph=attn", "cuda_graph.modules=[mamba]"], "no Mamba layers"),
     "graph_moe_needs_drop_and_pad": ([*GPU, "cuda_graph=attn", "cuda_graph.modules=[moe]"],
                                      "contains moe, which needs drop-and-pad"),
+    "whole_layer_graphs_need_drop_and_pad": ([*GPU, "cuda_graph=layer_te"],
+                                             "cuda_graph.modules is empty (whole layers, experts included)"),
     "graph_preprocess_vs_alltoall_capacity": ([*GPU, "cuda_graph=attn_moe_router_preprocess",
                                                "dispatcher.capacity_factor=1.0"],
-                                              "rejects for dispatcher=alltoall with dispatcher.capacity_factor=1.0"),
+                                              "rejects for dispatcher=alltoall with dispatcher.capacity_factor=1.0 "
+                                              "unless dispatcher.pad_to_capacity=true"),
     "local_graphs_need_drop_and_pad": ([*GPU, "cuda_graph=layer_local"], "cuda_graph.impl=local cannot capture dropless"),
     "full_recompute_only_with_full_iteration": ([*GPU, "cuda_graph=attn", "recompute=full"],
                                                 "recompute=full with cuda_graph.impl=transformer_engine"),
@@ -101,7 +124,13 @@ CASES: dict[str, tuple[list[str], str]] = {
                                 "needs train.transformer_impl=transformer_engine"),
     "flex_needs_backend": (["dispatcher.token_dispatcher=flex"], "needs dispatcher.flex_backend"),
     "flex_needs_gpu": (["dispatcher=flex_deepep"], "dispatcher=flex_deepep runs DeepEP CUDA kernels"),
-    "deepep_needs_model_parallel": ([*GPU, "dispatcher=flex_deepep"], "dispatcher=flex_deepep needs parallel.tp*ep > 1"),
+    "deepep_needs_model_parallel": ([*GPU, *T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true",
+                                     "dispatcher=flex_deepep"],
+                                    "dispatcher=flex_deepep needs parallel.etp*ep > 1 (got etp=1, ep=1)"),
+    "deepep_cannot_pad": ([*GPU, *T2, "parallel=3d", "parallel.ep=2", "dispatcher=flex_deepep", *DROP_AND_PAD],
+                          "for drop-and-pad (megatron/core/transformer/"
+                          "transformer_config.py: moe_pad_expert_input_to_capacity with the flex dispatcher's deepep "
+                          "backend)"),
     "pad_needs_capacity": (["dispatcher.pad_to_capacity=true"], "dispatcher.pad_to_capacity=true needs"),
     "packing_excludes_cuda_graphs": ([*GPU, "data.packing=true", "cuda_graph=attn"],
                                      "data.packing=true with cuda_graph=attn: a graph replays the shapes"),
@@ -131,8 +160,18 @@ FIELD_CASES = [
 
 
 def test_every_rule_has_a_case():
-    assert set(CASES) == {r.__name__ for r in RULES}
+    assert set(CASES) == {r.name for r in RULES}
     assert len(CASES) >= 25
+
+
+def test_every_rule_names_its_reason_class_and_megatron_checks_name_their_source():
+    """A user can look a mirrored check up (file and condition); every other refusal says why megatron-core
+    would not make it."""
+    for r in RULES:
+        assert isinstance(r.basis, Basis)
+        if r.basis in (Basis.MEGATRON, Basis.MODEL_BUILD):
+            assert r.source and r.source.startswith("megatron/core/") and ".py: " in r.source, r
+    assert sum(r.basis is Basis.MEGATRON for r in RULES) >= 15
 
 
 def _check(capsys, overrides):
@@ -252,3 +291,12 @@ def test_check_warns_that_graphed_attention_needs_a_newer_cudnn(capsys):
     assert "needs cuDNN >= 9.15.1 where it runs" in capsys.readouterr().out
     assert main([*base, "model.text_tokens=1089"]) == 0
     assert "needs cuDNN" not in capsys.readouterr().out
+
+
+def test_graph_rules_do_not_ask_deepep_to_pad(capsys):
+    """DeepEP cannot pad to capacity (megatron-core refuses it), so a graph that needs drop-and-pad says which
+    dispatchers can."""
+    code, err = _check(capsys, [*GPU, *T2, "parallel=3d", "parallel.ep=2", "dispatcher=flex_deepep",
+                                "cuda_graph=layer_te"])
+    assert code == EXIT_INVALID
+    assert "dispatcher=flex_deepep cannot pad: use dispatcher=alltoall or allgather with" in err, err

@@ -1,23 +1,63 @@
-"""Every cross-field rule a run must satisfy before it may cost a process, in one module.
+"""Every cross-field rule a run must satisfy before it may cost a process, in one module: the rule table.
 
-Each rule is a small function of the whole ``RunConfig`` returning a message (knob, value, rule) or None. They
-mirror what megatron-core 0.19 enforces at build or training time (``TransformerConfig.__post_init__``,
-``parallel_state``, the MoE layer, LLaVA) plus what this product's worker supports, so a bad layout is found
-on a laptop or login node instead of after a cluster queue. Rules are pure: what depends on the machine (TE or
-DeepEP installed, GPUs present) is the worker's preflight, and a rule that needs a machine fact (the cuDNN
-version) takes it as an argument and is called from there.
+Each rule is a small function of the whole ``RunConfig`` returning a message (knob, value, rule) or None, registered
+with the class of its reason (:class:`Basis`). A rule that mirrors a check megatron-core 0.19.2 makes names that
+check's file and condition, appended to its message, so a user can look it up; every other rule says why
+megatron-core would not refuse the config itself (memory, the machine or the run, the LLaVA model as it is built, or
+a knob megatron would silently ignore). ``tests/test_rules_vs_megatron.py`` holds the table against megatron-core's
+own checks on random configs. Rules are pure: what depends on the machine (TE or DeepEP installed, GPUs present)
+is the worker's preflight, and a rule that needs a machine fact (the cuDNN version) takes it as an argument and is
+called from there.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.plan.layout import seq_padding_factor, sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
 
-Rule = Callable[[RunConfig], Optional[str]]
+Check = Callable[[RunConfig], Optional[str]]
+
+
+class Basis(enum.Enum):
+    """Why a rule refuses, held against megatron-core's own verdict on the same config."""
+
+    MEGATRON = "megatron-core refuses it"
+    """A check megatron-core makes before a model runs (``TransformerConfig``, ``parallel_state``, the micro-batch
+    calculator, the pipeline schedule, the token dispatcher's constructor); ``source`` names it."""
+    MODEL_BUILD = "LLaVA model construction"
+    """megatron-core refuses it while it builds the LLaVA model and its layers (``source`` names the check); the
+    differential test runs LLaVA's own constructor checks for local specs, not the layers'."""
+    MEMORY = "memory"
+    """megatron-core would start it; it cannot fit the GPU (``plan/memory.py``)."""
+    RUNTIME = "machine/runtime"
+    """megatron-core would start it, but the machine lacks what it needs, or the run fails or measures something
+    else while it runs (graph capture, a host sync, what this worker does)."""
+    IGNORED = "knob megatron would silently ignore"
+    """megatron-core would run it with the knob doing nothing, so the run would not measure what was asked."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    check: Check
+    basis: Basis
+    source: Optional[str] = None
+    """megatron-core's own check, as ``file: condition``, where the rule mirrors one."""
+
+    @property
+    def name(self) -> str:
+        return self.check.__name__
+
+    def __call__(self, cfg: RunConfig) -> Optional[str]:
+        message = self.check(cfg)
+        return f"{message} ({self.source})" if message and self.source else message
+
+
 RULES: list[Rule] = []
 
 
@@ -29,13 +69,25 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
-def rule(fn: Rule) -> Rule:
-    RULES.append(fn)
-    return fn
+def rule(basis: Basis, source: Optional[str] = None) -> Callable[[Check], Check]:
+    """Register a check in the table with the class of its reason and, where megatron-core makes the same check,
+    where (``megatron/core/<file>.py: <condition>``)."""
+    if basis in (Basis.MEGATRON, Basis.MODEL_BUILD) and not source:
+        raise ValueError(f"a {basis.name} rule names megatron-core's check (source)")
+
+    def register(fn: Check) -> Check:
+        RULES.append(Rule(fn, basis, source))
+        return fn
+    return register
+
+
+def broken(cfg: RunConfig) -> list[tuple[Rule, str]]:
+    """Each rule ``cfg`` breaks, with its message."""
+    return [(r, msg) for r in RULES if (msg := r(cfg))]
 
 
 def broken_rules(cfg: RunConfig) -> list[str]:
-    return [msg for check in RULES if (msg := check(cfg))]
+    return [msg for _, msg in broken(cfg)]
 
 
 def _world(cfg: RunConfig) -> int:
@@ -59,35 +111,44 @@ def _drop_and_pad(cfg: RunConfig) -> bool:
     return cfg.dispatcher.capacity_factor is not None and cfg.dispatcher.pad_to_capacity
 
 
+def _deepep(cfg: RunConfig) -> bool:
+    return cfg.dispatcher.token_dispatcher == "flex" and cfg.dispatcher.flex_backend == "deepep"
+
+
+TC = "megatron/core/transformer/transformer_config.py"
+PS = "megatron/core/parallel_state.py"
+LLAVA = "megatron/core/models/multimodal/llava_model.py"
+
+
 # --- launcher and hardware ---------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.RUNTIME)
 def local_launcher_is_one_process(cfg: RunConfig) -> Optional[str]:
     if cfg.launcher.name == "local" and _world(cfg) != 1:
         return (f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} with launcher.nnodes={cfg.launcher.nnodes}: "
                 "launcher=local runs one process; use launcher=torchrun for a world size > 1")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def processes_fit_the_node(cfg: RunConfig) -> Optional[str]:
     if cfg.launcher.nproc_per_node > cfg.hardware.gpus_per_node:
         return (f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} must be <= "
                 f"hardware.gpus_per_node={cfg.hardware.gpus_per_node} (hardware={cfg.hardware.name})")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def te_needs_gpu(cfg: RunConfig) -> Optional[str]:
     if cfg.hardware.device == "cpu" and cfg.train.transformer_impl == "transformer_engine":
         return "train.transformer_impl=transformer_engine needs GPU hardware, not hardware=cpu"
 
 
-@rule
+@rule(Basis.RUNTIME)
 def cuda_graphs_need_gpu(cfg: RunConfig) -> Optional[str]:
     if cfg.hardware.device == "cpu" and cfg.cuda_graph.impl != "none":
         return f"cuda_graph.impl={cfg.cuda_graph.impl} needs GPU hardware, not hardware=cpu"
 
 
-@rule
+@rule(Basis.RUNTIME)
 def fusions_need_gpu(cfg: RunConfig) -> Optional[str]:
     if cfg.hardware.device == "cpu":
         on = [name for name in cfg.fusions.GPU_ONLY if getattr(cfg.fusions, name)]
@@ -95,7 +156,7 @@ def fusions_need_gpu(cfg: RunConfig) -> Optional[str]:
             return f"fusions.{on[0]}=true needs GPU hardware (CUDA kernels), not hardware=cpu"
 
 
-@rule
+@rule(Basis.IGNORED)
 def allocator_setting_needs_gpu(cfg: RunConfig) -> Optional[str]:
     if cfg.hardware.device == "cpu" and cfg.train.expandable_segments:
         return ("train.expandable_segments=true configures the CUDA caching allocator; it needs GPU hardware, "
@@ -104,7 +165,7 @@ def allocator_setting_needs_gpu(cfg: RunConfig) -> Optional[str]:
 
 # --- layout ------------------------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.MEGATRON, f"{PS}: world_size % (tensor * pipeline * context parallel size) == 0")
 def dense_layout_divides_world(cfg: RunConfig) -> Optional[str]:
     p = cfg.parallel
     if _world(cfg) % (p.tp * p.pp * p.cp):
@@ -112,7 +173,7 @@ def dense_layout_divides_world(cfg: RunConfig) -> Optional[str]:
                 f"{_world(cfg)} (launcher.nproc_per_node * launcher.nnodes)")
 
 
-@rule
+@rule(Basis.MEGATRON, f"{PS}: world_size % (expert tensor * expert * pipeline parallel size) == 0")
 def expert_layout_divides_world(cfg: RunConfig) -> Optional[str]:
     p = cfg.parallel
     if _world(cfg) % (p.etp * p.ep * p.pp):
@@ -120,21 +181,36 @@ def expert_layout_divides_world(cfg: RunConfig) -> Optional[str]:
                 f"{_world(cfg)}")
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: num_attention_heads % tensor_model_parallel_size == 0")
 def tp_divides_heads(cfg: RunConfig) -> Optional[str]:
     d = cfg.model.decoder
     if d.num_attention_heads % cfg.parallel.tp:
         return f"parallel.tp={cfg.parallel.tp} must divide model.decoder.num_attention_heads={d.num_attention_heads}"
 
 
-@rule
-def tp_divides_query_groups(cfg: RunConfig) -> Optional[str]:
-    d = cfg.model.decoder
-    if d.num_query_groups % cfg.parallel.tp:
-        return f"parallel.tp={cfg.parallel.tp} must divide model.decoder.num_query_groups={d.num_query_groups}"
+@rule(Basis.MEGATRON, f"{TC}: num_query_groups % tensor_model_parallel_size == 0 or "
+                      "tensor_model_parallel_size % num_query_groups == 0")
+def tp_and_query_groups_divide(cfg: RunConfig) -> Optional[str]:
+    """With fewer KV groups than TP ranks megatron-core replicates each KV head over tp / groups ranks."""
+    d, tp = cfg.model.decoder, cfg.parallel.tp
+    if d.num_query_groups % tp and tp % d.num_query_groups:
+        return (f"parallel.tp={tp} must be a multiple or a divisor of "
+                f"model.decoder.num_query_groups={d.num_query_groups}")
 
 
-@rule
+@rule(Basis.MODEL_BUILD, "megatron/core/tensor_parallel/layers.py: ColumnParallelLinear, "
+                         "divide(output_size, world_size) for linear_qkv")
+def tp_divides_fused_qkv(cfg: RunConfig) -> Optional[str]:
+    """The fused QKV projection is one column-parallel linear of head_dim * (heads + 2 groups) outputs; with as
+    many groups as TP ranks or more the head rules already divide it, with fewer they may not."""
+    d, tp = cfg.model.decoder, cfg.parallel.tp
+    width = d.head_dim * (d.num_attention_heads + 2 * d.num_query_groups)
+    if d.num_query_groups < tp and width % tp:
+        return (f"parallel.tp={tp} must divide the fused QKV width {width} (model.decoder head_dim {d.head_dim} x "
+                f"(num_attention_heads {d.num_attention_heads} + 2 x num_query_groups {d.num_query_groups}))")
+
+
+@rule(Basis.MEGATRON, f"{TC}: num_attention_heads % tensor_model_parallel_size == 0, vision config")
 def tp_divides_vision_heads(cfg: RunConfig) -> Optional[str]:
     v = cfg.model.vision
     if v.num_attention_heads % cfg.parallel.tp:
@@ -142,7 +218,8 @@ def tp_divides_vision_heads(cfg: RunConfig) -> Optional[str]:
                 "(the ViT runs with the decoder's TP)")
 
 
-@rule
+@rule(Basis.MEGATRON, "megatron/core/transformer/transformer_block.py: get_num_layers_to_build, num_layers % "
+                      "pipeline_model_parallel_size == 0 and layers per rank % vp_size == 0")
 def pp_divides_layers(cfg: RunConfig) -> Optional[str]:
     p, layers = cfg.parallel, cfg.model.decoder.num_layers
     if layers % (p.pp * p.vpp):
@@ -150,19 +227,20 @@ def pp_divides_layers(cfg: RunConfig) -> Optional[str]:
                 "(every pipeline chunk holds the same number of layers)")
 
 
-@rule
+@rule(Basis.MEGATRON, f"{PS}: pipeline-model-parallel size should be greater than 1 with interleaved schedule")
 def vpp_needs_pp(cfg: RunConfig) -> Optional[str]:
     if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
         return f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp > 1 (interleaving splits pipeline stages)"
 
 
-@rule
+@rule(Basis.MODEL_BUILD, "megatron/core/transformer/moe/moe_layer.py: num_moe_experts % ep_size == 0")
 def ep_divides_experts(cfg: RunConfig) -> Optional[str]:
     if cfg.model.decoder.num_experts % cfg.parallel.ep:
         return f"parallel.ep={cfg.parallel.ep} must divide model.decoder.num_experts={cfg.model.decoder.num_experts}"
 
 
-@rule
+@rule(Basis.MODEL_BUILD, "megatron/core/tensor_parallel/layers.py: the experts' ColumnParallelLinear, "
+                         "divide(moe_ffn_hidden_size, expert tensor parallel size)")
 def etp_divides_expert_ffn(cfg: RunConfig) -> Optional[str]:
     d = cfg.model.decoder
     if d.moe_ffn_hidden_size % cfg.parallel.etp:
@@ -170,20 +248,23 @@ def etp_divides_expert_ffn(cfg: RunConfig) -> Optional[str]:
                 f"model.decoder.moe_ffn_hidden_size={d.moe_ffn_hidden_size}")
 
 
-@rule
+@rule(Basis.MEGATRON, "megatron/core/model_parallel_config.py: Cannot use sequence parallelism without tensor "
+                      "parallelism")
 def sp_needs_tp(cfg: RunConfig) -> Optional[str]:
     if cfg.parallel.sp and cfg.parallel.tp == 1:
         return "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the TP group)"
 
 
-@rule
+@rule(Basis.RUNTIME, "megatron/core/transformer/moe/moe_layer.py: forward raises when training with a TP group > 1 "
+                     "and not sequence_parallel")
 def moe_with_tp_needs_sp(cfg: RunConfig) -> Optional[str]:
     if cfg.parallel.tp > 1 and not cfg.parallel.sp:
         return (f"parallel.tp={cfg.parallel.tp} with MoE layers needs parallel.sp=true "
                 "(megatron-core's MoE layer raises during training otherwise)")
 
 
-@rule
+@rule(Basis.MODEL_BUILD, f"{LLAVA}: under SP or CP, language_transformer_layer_spec.submodules must be "
+                         "TransformerLayerSubmodules")
 def sp_needs_uniform_layers(cfg: RunConfig) -> Optional[str]:
     freq = cfg.model.decoder.moe_layer_freq
     if (cfg.parallel.sp or cfg.parallel.cp > 1) and freq > 1:
@@ -191,37 +272,57 @@ def sp_needs_uniform_layers(cfg: RunConfig) -> Optional[str]:
                 "layer spec under sequence or context parallelism, and mixed dense/MoE layers need a block spec")
 
 
-@rule
-def cp_divides_sequence(cfg: RunConfig) -> Optional[str]:
-    seq, cp = cfg.model.seq_length, cfg.parallel.cp
-    if cp > 1 and seq % (2 * cp):
-        return (f"parallel.cp={cp} needs the decoder sequence length {seq} to be divisible by 2*cp={2 * cp} "
-                "(load-balanced causal chunks)")
-
-
-@rule
+@rule(Basis.MODEL_BUILD, f"{LLAVA}: Sequence/Context Parallelism is supported only with TE DotProductAttention")
 def cp_needs_te(cfg: RunConfig) -> Optional[str]:
+    """LLaVA pads the decoder sequence to a multiple of 2*cp itself (``plan/layout.py``), so any length splits;
+    what CP needs is TE's attention."""
     if cfg.parallel.cp > 1 and not _uses_te(cfg):
         return (f"parallel.cp={cfg.parallel.cp} needs Transformer Engine attention "
                 "(megatron-core's local DotProductAttention supports cp=1 only)")
 
 
-@rule
+@rule(Basis.MODEL_BUILD, f"{LLAVA}: Sequence/Context Parallelism is supported only with TE DotProductAttention")
+def sp_on_gpu_needs_te(cfg: RunConfig) -> Optional[str]:
+    """On the CPU the worker lifts LLaVA's assert (``train/cpu_compat.py``, patch 11: the sequence is padded to a
+    multiple of TP, so the local causal attention is exact); on a GPU megatron-core's assert stands."""
+    if cfg.parallel.sp and cfg.hardware.device == "cuda" and not _uses_te(cfg):
+        return ("parallel.sp=true on GPU hardware needs train.transformer_impl=transformer_engine: LLaVA "
+                "supports sequence parallelism only with TE attention")
+
+
+@rule(Basis.RUNTIME)
 def fsdp_has_no_pipeline(cfg: RunConfig) -> Optional[str]:
     if cfg.parallel.strategy == "fsdp" and cfg.parallel.pp > 1:
         return f"parallel.pp={cfg.parallel.pp} with parallel=fsdp: Megatron-FSDP does not pipeline; use parallel=3d"
 
 
-@rule
+@rule(Basis.MEGATRON, "megatron/core/num_microbatches_calculator.py: global_batch_size % (micro_batch_size * "
+                      "data_parallel_size) == 0")
 def gbs_divisible_by_mbs_dp(cfg: RunConfig) -> Optional[str]:
     b, dp = cfg.batch, _dp(cfg)
     if dp >= 1 and b.gbs % (b.mbs * dp):
         return f"batch.gbs={b.gbs} must be divisible by batch.mbs*dp={b.mbs}*{dp}={b.mbs * dp}"
 
 
+@rule(Basis.MEGATRON, "megatron/core/pipeline_parallel/schedules.py: forward_backward_pipelining_with_interleaving, "
+                      "microbatch_group_size_per_vp_stage (= pp) <= num_microbatches and num_microbatches % it "
+                      "not in (0, pp)")
+def interleaving_needs_whole_microbatch_groups(cfg: RunConfig) -> Optional[str]:
+    """The interleaved schedule runs micro-batches in groups of pp per model chunk, and raises at the first step
+    if there are fewer than pp or the last group is short."""
+    b, p, dp = cfg.batch, cfg.parallel, _dp(cfg)
+    if p.vpp == 1 or p.pp == 1 or dp < 1 or b.gbs % (b.mbs * dp):
+        return None
+    microbatches = b.gbs // (b.mbs * dp)
+    if microbatches < p.pp or microbatches % p.pp:
+        return (f"parallel.vpp={p.vpp} interleaves the pipeline, which needs the micro-batches per step "
+                f"(batch.gbs / (batch.mbs * dp) = {b.gbs} / ({b.mbs} * {dp}) = {microbatches}) to be a multiple "
+                f"of parallel.pp={p.pp}")
+
+
 # --- model shape -------------------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.MODEL_BUILD, f"{LLAVA}: pixel_shuffle, h*w must equal the patches")
 def spatial_merge_needs_even_grid(cfg: RunConfig) -> Optional[str]:
     v = cfg.model.vision
     grid = v.image_size // v.patch_size
@@ -232,7 +333,7 @@ def spatial_merge_needs_even_grid(cfg: RunConfig) -> Optional[str]:
 
 # --- recompute ---------------------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.IGNORED)
 def selective_needs_modules(cfg: RunConfig) -> Optional[str]:
     r = cfg.recompute
     if r.granularity == "selective" and not r.modules:
@@ -241,16 +342,25 @@ def selective_needs_modules(cfg: RunConfig) -> Optional[str]:
         return f"recompute.modules={r.modules} applies to recompute=selective only, not {r.granularity}"
 
 
-@rule
-def full_recompute_fields(cfg: RunConfig) -> Optional[str]:
+@rule(Basis.MEGATRON, f"{TC}: recompute_method must be \"block\" or \"uniform\" with recompute_granularity full")
+def full_recompute_needs_method(cfg: RunConfig) -> Optional[str]:
     r = cfg.recompute
-    if r.granularity == "full" and (r.method is None or r.num_layers is None):
-        return "recompute=full needs recompute.method (uniform|block) and recompute.num_layers"
+    if r.granularity == "full" and r.method is None:
+        return "recompute=full needs recompute.method (uniform|block)"
+
+
+@rule(Basis.IGNORED)
+def full_recompute_fields(cfg: RunConfig) -> Optional[str]:
+    """The plan-to-config mapping passes recompute.method/num_layers for recompute=full only, and would default a
+    missing num_layers."""
+    r = cfg.recompute
+    if r.granularity == "full" and r.num_layers is None:
+        return "recompute=full needs recompute.num_layers"
     if r.granularity != "full" and (r.method is not None or r.num_layers is not None):
         return f"recompute.method/recompute.num_layers apply to recompute=full only, not {r.granularity}"
 
 
-@rule
+@rule(Basis.IGNORED)
 def recompute_layers_fit_stage(cfg: RunConfig) -> Optional[str]:
     r, p = cfg.recompute, cfg.parallel
     per_chunk = cfg.model.decoder.num_layers // (p.pp * p.vpp)
@@ -259,26 +369,27 @@ def recompute_layers_fit_stage(cfg: RunConfig) -> Optional[str]:
                 "chunk")
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: moe_act in recompute_modules is only supported with moe_grouped_gemm")
 def moe_act_recompute_needs_te(cfg: RunConfig) -> Optional[str]:
     if "moe_act" in cfg.recompute.modules and not _uses_te(cfg):
-        return "recompute.modules contains moe_act, which needs TE grouped GEMM (train.transformer_impl=transformer_engine)"
+        return ("recompute.modules contains moe_act, which needs TE grouped GEMM "
+                "(train.transformer_impl=transformer_engine)")
 
 
-@rule
+@rule(Basis.IGNORED)
 def mla_recompute_needs_mla(cfg: RunConfig) -> Optional[str]:
     if "mla_up_proj" in cfg.recompute.modules:
         return "recompute.modules contains mla_up_proj, which needs multi-latent attention; these models use GQA"
 
 
-@rule
+@rule(Basis.IGNORED)
 def mlp_recompute_needs_dense_layers(cfg: RunConfig) -> Optional[str]:
     if "mlp" in cfg.recompute.modules and _all_layers_moe(cfg):
         return ("recompute.modules contains mlp, which recomputes dense MLPs; every layer is MoE "
                 "(model.decoder.moe_layer_freq=1): use moe or moe_act")
 
 
-@rule
+@rule(Basis.IGNORED)
 def shared_expert_recompute_needs_shared_experts(cfg: RunConfig) -> Optional[str]:
     if "shared_experts" in cfg.recompute.modules and not cfg.model.decoder.moe_shared_expert_intermediate_size:
         return ("recompute.modules contains shared_experts, but "
@@ -287,86 +398,114 @@ def shared_expert_recompute_needs_shared_experts(cfg: RunConfig) -> Optional[str
 
 # --- CUDA graphs -------------------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.IGNORED)
 def graph_modules_need_impl(cfg: RunConfig) -> Optional[str]:
     g = cfg.cuda_graph
     if g.impl == "none" and g.modules:
         return f"cuda_graph.modules={g.modules} needs cuda_graph.impl local or transformer_engine, not none"
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: cuda_graph_modules must be empty when cuda_graph_impl=\"full_iteration\"")
 def full_iteration_takes_no_modules(cfg: RunConfig) -> Optional[str]:
     g = cfg.cuda_graph
     if g.impl == "full_iteration" and g.modules:
         return f"cuda_graph.modules={g.modules} must be empty with cuda_graph.impl=full_iteration"
 
 
-@rule
+@rule(Basis.RUNTIME)
 def full_iteration_cannot_capture_llava(cfg: RunConfig) -> Optional[str]:
     if cfg.cuda_graph.impl == "full_iteration":
         return ("cuda_graph.impl=full_iteration cannot capture LLaVAModel: its _preprocess_data calls .tolist() "
                 "(a host sync) inside the step; use cuda_graph=attn or a layer scope")
 
 
-@rule
+def _graphed_modules(cfg: RunConfig) -> set[str]:
+    """The per-layer graph scopes as megatron-core's config sees them: none unless a per-layer impl graphs them,
+    and the local impl, which cannot graph the router and its preprocess apart, takes either as both."""
+    g = cfg.cuda_graph
+    if g.impl not in ("local", "transformer_engine"):
+        return set()
+    modules = set(g.modules)
+    if g.impl == "local" and modules & {"moe_router", "moe_preprocess"}:
+        modules |= {"moe_router", "moe_preprocess"}
+    return modules
+
+
+@rule(Basis.MEGATRON, f"{TC}: cuda_graph_modules must not contain both moe and moe_router (the local impl adds "
+                      "moe_router to moe_preprocess)")
 def graph_moe_scopes_exclusive(cfg: RunConfig) -> Optional[str]:
-    m = cfg.cuda_graph.modules
-    if "moe" in m and "moe_router" in m:
-        return "cuda_graph.modules contains both moe and moe_router; they are exclusive (moe graphs the router too)"
+    if {"moe", "moe_router"} <= _graphed_modules(cfg):
+        also = (" (cuda_graph.impl=local graphs moe_preprocess with moe_router)"
+                if "moe_router" not in cfg.cuda_graph.modules else "")
+        return (f"cuda_graph.modules contains both moe and moe_router{also}; they are exclusive (moe graphs the "
+                "router too)")
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: moe_preprocess cuda graph is only supported with moe_router cuda graph")
 def graph_preprocess_needs_router(cfg: RunConfig) -> Optional[str]:
-    if "moe_preprocess" in cfg.cuda_graph.modules and "moe_router" not in cfg.cuda_graph.modules:
+    if "moe_preprocess" in _graphed_modules(cfg) and "moe_router" not in _graphed_modules(cfg):
         return "cuda_graph.modules contains moe_preprocess, which needs moe_router as well"
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: mlp cuda graph is only supported for dense layers")
 def graph_mlp_needs_dense_layers(cfg: RunConfig) -> Optional[str]:
-    if "mlp" in cfg.cuda_graph.modules and _all_layers_moe(cfg):
+    if "mlp" in _graphed_modules(cfg) and _all_layers_moe(cfg):
         return "cuda_graph.modules contains mlp, but every layer is MoE (model.decoder.moe_layer_freq=1): use moe"
 
 
-@rule
+@rule(Basis.IGNORED)
 def graph_mamba_needs_mamba(cfg: RunConfig) -> Optional[str]:
     if "mamba" in cfg.cuda_graph.modules:
         return "cuda_graph.modules contains mamba, but these decoders have no Mamba layers"
 
 
-@rule
+def _pad_fix(cfg: RunConfig) -> str:
+    return ("dispatcher=flex_deepep cannot pad: use dispatcher=alltoall or allgather with " if _deepep(cfg)
+            else "set ")
+
+
+@rule(Basis.MEGATRON, f"{TC}: moe cuda graph is only supported with drop-padding MoE")
 def graph_moe_needs_drop_and_pad(cfg: RunConfig) -> Optional[str]:
-    g = cfg.cuda_graph
-    whole_layers = g.impl == "transformer_engine" and not g.modules
-    if ("moe" in g.modules or whole_layers) and not _drop_and_pad(cfg):
-        scope = "contains moe" if g.modules else "is empty (whole layers, experts included)"
-        return (f"cuda_graph.modules {scope}, which needs drop-and-pad (static shapes): set "
+    if "moe" in _graphed_modules(cfg) and not _drop_and_pad(cfg):
+        return (f"cuda_graph.modules contains moe, which needs drop-and-pad (static shapes): {_pad_fix(cfg)}"
                 "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
 
 
-@rule
+@rule(Basis.RUNTIME)
+def whole_layer_graphs_need_drop_and_pad(cfg: RunConfig) -> Optional[str]:
+    """megatron-core's config check looks at the moe scope only; a TE graph of whole layers captures the experts
+    and the dispatcher too, whose dropless token counts change every step."""
+    g = cfg.cuda_graph
+    if g.impl == "transformer_engine" and not g.modules and not _drop_and_pad(cfg):
+        return ("cuda_graph.modules is empty (whole layers, experts included), which needs drop-and-pad (static "
+                f"shapes): {_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
+
+
+@rule(Basis.MEGATRON, f"{TC}: moe_preprocess cuda graph with alltoall and a capacity factor but no padding")
 def graph_preprocess_vs_alltoall_capacity(cfg: RunConfig) -> Optional[str]:
     d = cfg.dispatcher
-    if ("moe_preprocess" in cfg.cuda_graph.modules and d.token_dispatcher == "alltoall"
-            and d.capacity_factor is not None):
+    if ("moe_preprocess" in _graphed_modules(cfg) and d.token_dispatcher == "alltoall"
+            and d.capacity_factor is not None and not d.pad_to_capacity):
         return (f"cuda_graph.modules contains moe_preprocess, which megatron-core rejects for dispatcher=alltoall "
-                f"with dispatcher.capacity_factor={d.capacity_factor}")
+                f"with dispatcher.capacity_factor={d.capacity_factor} unless dispatcher.pad_to_capacity=true "
+                "(dropping without padding syncs the host in the preprocess step)")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def local_graphs_need_drop_and_pad(cfg: RunConfig) -> Optional[str]:
     if cfg.cuda_graph.impl == "local" and not _drop_and_pad(cfg):
-        return ("cuda_graph.impl=local cannot capture dropless MoE (cudaErrorCapturedEvent in the dispatcher): set "
-                "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
+        return ("cuda_graph.impl=local cannot capture dropless MoE (cudaErrorCapturedEvent in the dispatcher): "
+                f"{_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: full recompute is only supported with full iteration CUDA graph")
 def full_recompute_only_with_full_iteration(cfg: RunConfig) -> Optional[str]:
     if cfg.recompute.granularity == "full" and cfg.cuda_graph.impl in ("local", "transformer_engine"):
         return (f"recompute=full with cuda_graph.impl={cfg.cuda_graph.impl}: megatron-core allows full recompute "
                 "only with full_iteration graphs; use recompute=selective or cuda_graph=none")
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: moe recompute is not supported with moe_router CUDA graph with transformer_engine")
 def moe_recompute_excludes_router_graph(cfg: RunConfig) -> Optional[str]:
     if (cfg.cuda_graph.impl == "transformer_engine" and "moe" in cfg.recompute.modules
             and "moe_router" in cfg.cuda_graph.modules):
@@ -374,7 +513,7 @@ def moe_recompute_excludes_router_graph(cfg: RunConfig) -> Optional[str]:
                 "block cannot hold a TE-graphed router")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def graph_warmup_within_warmup(cfg: RunConfig) -> Optional[str]:
     g, t = cfg.cuda_graph, cfg.train
     if g.impl == "transformer_engine" and g.warmup_steps >= t.warmup_steps:
@@ -383,13 +522,13 @@ def graph_warmup_within_warmup(cfg: RunConfig) -> Optional[str]:
                 "step must follow before the timed steps")
 
 
-@rule
+@rule(Basis.IGNORED)
 def trace_needs_profile_steps(cfg: RunConfig) -> Optional[str]:
     if cfg.train.trace and cfg.train.profile_steps == 0:
         return "train.trace=true traces the profile steps, but train.profile_steps=0: set it to 1 or more"
 
 
-@rule
+@rule(Basis.RUNTIME)
 def layer_graphs_vs_fsdp(cfg: RunConfig) -> Optional[str]:
     impl, p = cfg.cuda_graph.impl, cfg.parallel
     if p.strategy != "fsdp":
@@ -402,7 +541,7 @@ def layer_graphs_vs_fsdp(cfg: RunConfig) -> Optional[str]:
                 "layer's parameters in forward hooks that a graph replay skips; use parallel=3d")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def te_graphs_need_te_specs(cfg: RunConfig) -> Optional[str]:
     if cfg.cuda_graph.impl == "transformer_engine" and cfg.hardware.device == "cuda" and not _uses_te(cfg):
         return ("cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
@@ -454,7 +593,7 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
 
 # --- memory ------------------------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.MEMORY)
 def fits_in_gpu_memory(cfg: RunConfig) -> Optional[str]:
     if cfg.hardware.device != "cuda":
         return None
@@ -468,7 +607,7 @@ def fits_in_gpu_memory(cfg: RunConfig) -> Optional[str]:
 
 # --- MoE dispatcher ----------------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.IGNORED)
 def flex_needs_backend(cfg: RunConfig) -> Optional[str]:
     d = cfg.dispatcher
     if d.token_dispatcher == "flex" and d.flex_backend is None:
@@ -477,20 +616,29 @@ def flex_needs_backend(cfg: RunConfig) -> Optional[str]:
         return f"dispatcher.flex_backend={d.flex_backend} applies to the flex dispatcher only, not {d.token_dispatcher}"
 
 
-@rule
+@rule(Basis.RUNTIME)
 def flex_needs_gpu(cfg: RunConfig) -> Optional[str]:
     if cfg.dispatcher.token_dispatcher == "flex" and cfg.hardware.device == "cpu":
         return f"dispatcher={cfg.dispatcher.name} runs DeepEP CUDA kernels; it needs GPU hardware, not hardware=cpu"
 
 
-@rule
+@rule(Basis.MEGATRON, "megatron/core/transformer/moe/token_dispatcher.py: MoEFlexTokenDispatcher, DeepEP "
+                      "requires TPxEP > 1, over the expert tensor-parallel group")
 def deepep_needs_model_parallel(cfg: RunConfig) -> Optional[str]:
-    d, p = cfg.dispatcher, cfg.parallel
-    if d.flex_backend == "deepep" and p.tp * p.ep == 1:
-        return f"dispatcher=flex_deepep needs parallel.tp*ep > 1 (got tp={p.tp}, ep={p.ep})"
+    """DeepEP dispatches over the expert group, expert-TP x EP: the dense TP does not count."""
+    p = cfg.parallel
+    if _deepep(cfg) and p.etp * p.ep == 1:
+        return f"dispatcher=flex_deepep needs parallel.etp*ep > 1 (got etp={p.etp}, ep={p.ep})"
 
 
-@rule
+@rule(Basis.MEGATRON, f"{TC}: moe_pad_expert_input_to_capacity with the flex dispatcher's deepep backend")
+def deepep_cannot_pad(cfg: RunConfig) -> Optional[str]:
+    if _deepep(cfg) and cfg.dispatcher.pad_to_capacity:
+        return ("dispatcher.pad_to_capacity=true with dispatcher=flex_deepep: DeepEP does not pad expert inputs to "
+                "capacity; use dispatcher=alltoall or allgather for drop-and-pad")
+
+
+@rule(Basis.MEGATRON, f"{TC}: moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity")
 def pad_needs_capacity(cfg: RunConfig) -> Optional[str]:
     d = cfg.dispatcher
     if d.pad_to_capacity and d.capacity_factor is None:
@@ -499,14 +647,14 @@ def pad_needs_capacity(cfg: RunConfig) -> Optional[str]:
 
 # --- packed sequences --------------------------------------------------------------------------------------
 
-@rule
+@rule(Basis.RUNTIME)
 def packing_excludes_cuda_graphs(cfg: RunConfig) -> Optional[str]:
     if cfg.data.packing and cfg.cuda_graph.impl != "none":
         return (f"data.packing=true with cuda_graph={cfg.cuda_graph.scope}: a graph replays the shapes it "
                 "captured, and a packed micro-batch's length is its samples' real tokens, new every micro-batch")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def packing_needs_unsharded_sequence(cfg: RunConfig) -> Optional[str]:
     p = cfg.parallel
     if cfg.data.packing and (p.sp or p.cp > 1):
@@ -515,7 +663,7 @@ def packing_needs_unsharded_sequence(cfg: RunConfig) -> Optional[str]:
                 "this worker does not build; use tp=1 (MoE with tp > 1 needs SP) and cp=1")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def packing_on_local_specs_needs_unfused_softmax(cfg: RunConfig) -> Optional[str]:
     if (cfg.data.packing and not _uses_te(cfg)
             and cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")["masked_softmax"]):
@@ -524,7 +672,7 @@ def packing_on_local_specs_needs_unfused_softmax(cfg: RunConfig) -> Optional[str
                 "softmax (ScaledUpperTriangMaskedSoftmax) ignores the mask, so samples would attend to each other")
 
 
-@rule
+@rule(Basis.RUNTIME)
 def packing_needs_one_stage(cfg: RunConfig) -> Optional[str]:
     if cfg.data.packing and cfg.parallel.pp > 1:
         return (f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "
