@@ -53,8 +53,6 @@ CASES: dict[str, tuple[list[str], str]] = {
     "etp_divides_expert_ffn": ([*T2, "parallel=3d", "parallel.etp=2", "model.decoder.moe_ffn_hidden_size=63"],
                                "parallel.etp=2 must divide model.decoder.moe_ffn_hidden_size=63"),
     "sp_needs_tp": (["parallel.sp=true"], "parallel.sp=true needs parallel.tp > 1"),
-    "overlap_param_gather_needs_grad_overlap": (["parallel.overlap_param_gather=true"],
-                                                "parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce"),
     "moe_with_tp_needs_sp": ([*T2, "parallel=3d", "parallel.tp=2"], "parallel.tp=2 with MoE layers needs parallel.sp=true"),
     "sp_needs_uniform_layers": ([*T2, "parallel=3d", "parallel.tp=2", "parallel.sp=true", "model.decoder.moe_layer_freq=2"],
                                 "model.decoder.moe_layer_freq=2 with parallel.sp/cp"),

@@ -171,7 +171,8 @@ class ParallelConf:
     the rest of backward (megatron's DDP and Megatron-FSDP), instead of one reduction after the last micro-batch."""
     overlap_param_gather: bool = False
     """Gather the distributed optimizer's updated parameters bucket by bucket in the next step's forward, instead of
-    all at once after the optimizer step; megatron pairs it with ``overlap_grad_reduce``."""
+    all at once after the optimizer step. Megatron-LM's trainer accepts it only with ``overlap_grad_reduce``;
+    megatron-core runs it either way, so no rule refuses it (the multi-GPU spaces pair them)."""
 
     def __post_init__(self) -> None:
         _choice("parallel.strategy", self.strategy, ("fsdp", "3d"))

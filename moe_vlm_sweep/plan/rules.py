@@ -679,14 +679,6 @@ def packing_needs_one_stage(cfg: RunConfig) -> Optional[str]:
                 "are shaped for seq_length x mbs, and a packed micro-batch's length changes every micro-batch")
 
 
-@rule
-def overlap_param_gather_needs_grad_overlap(cfg: RunConfig) -> Optional[str]:
-    p = cfg.parallel
-    if p.overlap_param_gather and not p.overlap_grad_reduce:
-        return ("parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true (Megatron-LM's "
-                "arguments.py: 'Must use --overlap-param-gather with --overlap-grad-reduce')")
-
-
 CUDNN_THD = {True: 90600, False: 90100}
 """The cuDNN runtime from which TE's fused attention takes THD rows on sm90, with GQA (True) or without: below it
 TE 2.20 falls back to unfused attention, which pads the row back to [mbs, max_seqlen] and scores it whole."""
