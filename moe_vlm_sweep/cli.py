@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-USAGE = __doc__.split("\n\n", 1)[1].strip()
+USAGE = "usage: moe-vlm-sweep COMMAND [ARGS]\n\n" + __doc__.split("\n\n", 1)[1].strip()
 EXIT_INVALID = 2
 
 
