@@ -126,7 +126,7 @@ def _launched_trial_study(wall_s: float, storage: str | None = None) -> optuna.S
 
 
 def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
-    """A lease or an allocation ends between re-runs: the budget starts none that the trial's own time says
+    """An allocation ends between re-runs: the budget starts none that the trial's own time says
     would overrun it, nothing is written or exported, and the next confirmation reuses what finished."""
     study, lines = _launched_trial_study(wall_s=60.0), []
     stopped = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0))
@@ -149,7 +149,7 @@ def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
 
     failed, other_plan = (Path(r.run_dir) for r in repeats)
     result = json.loads((failed / "result.json").read_text())
-    (failed / "result.json").write_text(json.dumps({**result, "status": "oom"}))  # e.g. a lease on a smaller GPU
+    (failed / "result.json").write_text(json.dumps({**result, "status": "oom"}))  # e.g. a run on a smaller GPU
     plan = json.loads((other_plan / "plan.json").read_text())
     (other_plan / "plan.json").write_text(json.dumps({**plan, "seq_length": plan["seq_length"] + 1}))
     again = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0))
