@@ -14,11 +14,11 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from moe_vlm_sweep import provenance
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
@@ -30,11 +30,9 @@ COLUMNS = ("config", "status", "step_ms", "cv_%", "eff_tok/s/gpu", "tok_ratio", 
 
 
 def git_commit() -> str:
-    """The code's commit: ``GIT_COMMIT`` where the tree travelled without ``.git`` (the GPU machine), else git's."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    return proc.stdout.strip() or "unknown"
+    """The code's commit: ``GIT_COMMIT`` where the tree was copied without ``.git`` (a GPU host), else the
+    checkout's (``moe_vlm_sweep.provenance``)."""
+    return os.environ.get("GIT_COMMIT") or provenance.git_commit() or "unknown"
 
 
 def run_one(name: str, overrides: list[str], outputs: Path) -> dict:

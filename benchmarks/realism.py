@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from compare_configs import _git_commit, run_one, table
+from compare_configs import git_commit, run_one, table
 
 CONFIGS = {"synthetic_images": ["data=synthetic_images"], "mock_text": ["data=mock_text"]}
 
@@ -56,7 +56,7 @@ def main() -> int:
         print(f"{key}: {value:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "command": shlex.join(["python", *sys.argv]), "git_commit": _git_commit(),
+        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ratios": result,
         "table": table(list(rows.values())), "runs": list(rows.values()),
     }, indent=2) + "\n")

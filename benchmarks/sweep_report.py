@@ -60,7 +60,7 @@ def outcomes(study: optuna.Study) -> str:
 
 def baseline_mfu(baseline: str, runs: list[dict]) -> tuple[str, float, str]:
     """``FILE:NAME`` (a compare_configs.py row) or ``trial:N`` (a trial of this study, e.g. its first_trials), with
-    when it was measured, since a ratio across machines or calls is not a side-by-side one."""
+    when it was measured, since a ratio across machines or runs hours apart is not a side-by-side one."""
     if baseline.startswith("trial:"):
         number = baseline.removeprefix("trial:")
         run = next((r for r in runs if r["tags"].get("moe_vlm_sweep.trial") == number), None)
@@ -129,7 +129,7 @@ def main() -> int:
               f"data realism {study.user_attrs.get('data_realism')}.", "", table(study, runs, args.top)]
     if args.baseline and args.confirm:
         report += ["", "Confirmed best against the baseline (a ratio is side by side only when both were measured "
-                   "in one call):", "",
+                   "in one run):", "",
                    versus_baseline(baseline_mfu(args.baseline, runs), args.confirm)]
     (args.out_dir / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))

@@ -2,11 +2,13 @@
 
     moe-vlm-sweep check [OVERRIDES]   validate and print the resolved plan (exit 0 valid, 2 invalid)
     moe-vlm-sweep run [OVERRIDES]     validate, then train in an isolated process; prints the result
-    moe-vlm-sweep run -m sweep=SPACE [OVERRIDES]   Optuna sweep over sweeps/SPACE.yaml (MLflow-tracked)
+    moe-vlm-sweep run -m sweep=SPACE [OVERRIDES]   Optuna sweep over conf/sweep/SPACE.yaml (MLflow-tracked)
     moe-vlm-sweep run -m KNOB=a,b ... Hydra grid sweep (basic sweeper)
     moe-vlm-sweep best [STUDY]        export the best trials of a sweep and print how to re-run them
     moe-vlm-sweep ui [--port N]       the MLflow UI of the sweeps (outputs/mlflow.db) on 127.0.0.1
 
+check and run take --config-dir DIR (or hydra.searchpath=[file:///DIR]): a folder of your own config group
+files (DIR/model/NAME.yaml, DIR/hardware/NAME.yaml, DIR/sweep/NAME.yaml), searched after the packaged ones.
 Invalid input exits 2 before any process starts; a run that fails exits 1 with its failure class.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-USAGE = __doc__.split("\n\n")[1]
+USAGE = "usage: moe-vlm-sweep COMMAND [ARGS]\n\n" + __doc__.split("\n\n", 1)[1].strip()
 EXIT_INVALID = 2
 
 
@@ -95,6 +97,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         return _fail(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
+    if command in ("check", "run"):
+        if "-h" in rest or "--help" in rest:
+            print(USAGE)
+            return 0
+        from hydra.errors import HydraException
+
+        from moe_vlm_sweep.config.compose import CompositionError, config_dir_overrides
+
+        try:
+            rest = config_dir_overrides(rest)
+        except (CompositionError, HydraException) as exc:
+            return _fail(str(exc))
     return COMMANDS[command](rest)
 
 

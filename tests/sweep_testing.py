@@ -1,5 +1,5 @@
-"""Helpers of the sweep tests: a private copy of conf/ (exports write conf/experiment/), the CLI in a subprocess,
-and readers of the two stores the sweep writes (Optuna, MLflow)."""
+"""Helpers of the sweep tests: a private copy of conf/ (to add spaces), the CLI in a subprocess, where an export
+lands, and readers of the two stores the sweep writes (Optuna, MLflow)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ FAST_TRAIN = ["train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
 
 
 def private_conf(tmp_path: Path, spaces: dict[str, str] | None = None) -> Path:
-    """conf/ copied (the sweep group's symlink followed) plus extra space files ``name -> yaml``.
-
-    The user's exported experiments (``conf/experiment/``, written by ``best``) are left out: tests start clean."""
+    """The packaged conf/ copied, plus extra space files ``name -> yaml``."""
     conf = tmp_path / "conf"
-    shutil.copytree(CONF_DIR, conf, symlinks=False,
-                    ignore=lambda d, names: ["experiment"] if Path(d) == CONF_DIR else [])
+    shutil.copytree(CONF_DIR, conf)
     for name, text in (spaces or {}).items():
         (conf / "sweep" / f"{name}.yaml").write_text(text)
     return conf
+
+
+def exported_experiment(cwd: Path, name: str) -> Path:
+    """The experiment config ``best`` writes for ``name`` when run in ``cwd`` (under the outputs folder)."""
+    return cwd / "outputs" / "conf" / "experiment" / f"{name}.yaml"
 
 
 def cli(args: list[str], *, cwd: Path, conf: Path, timeout: float = 600, check: bool = True,

@@ -18,7 +18,7 @@ from moe_vlm_sweep.export.best import ExportError, export, ranked
 from moe_vlm_sweep.export.confirm import CV_TARGET, confirm
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.trial import metric_value
-from sweep_testing import FAST_TRAIN, cli, private_conf
+from sweep_testing import FAST_TRAIN, cli, exported_experiment, private_conf
 
 NAME = "confirm_test"
 METRIC = "effective_tokens_per_s_per_gpu"
@@ -109,9 +109,10 @@ def test_confirm_reruns_the_top_trials_and_exports_the_median_winner(tmp_path, m
     assert yaml.safe_load((best / "overrides.yaml").read_text()) == winner["overrides"]
     assert yaml.safe_load((best / "top.yaml").read_text())[0]["trial"] == winner["trial"]
     monkeypatch.setattr(compose, "CONF_DIR", conf)
+    monkeypatch.chdir(tmp_path)
     exported = OmegaConf.to_yaml(compose.compose_config([f"+experiment={NAME}_best"]))
     assert exported == OmegaConf.to_yaml(compose.compose_config(winner["overrides"]))
-    assert (conf / "experiment" / f"{NAME}_best.yaml").read_text().count("confirm.json") == 1
+    assert exported_experiment(tmp_path, f"{NAME}_best").read_text().count("confirm.json") == 1
 
 
 def _launched_trial_study(wall_s: float, storage: str | None = None) -> optuna.Study:
@@ -125,7 +126,7 @@ def _launched_trial_study(wall_s: float, storage: str | None = None) -> optuna.S
 
 
 def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
-    """A lease or an allocation ends between re-runs: the budget starts none that the trial's own time says
+    """An allocation ends between re-runs: the budget starts none that the trial's own time says
     would overrun it, nothing is written or exported, and the next confirmation reuses what finished."""
     study, lines = _launched_trial_study(wall_s=60.0), []
     stopped = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0))
@@ -148,7 +149,7 @@ def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
 
     failed, other_plan = (Path(r.run_dir) for r in repeats)
     result = json.loads((failed / "result.json").read_text())
-    (failed / "result.json").write_text(json.dumps({**result, "status": "oom"}))  # e.g. a lease on a smaller GPU
+    (failed / "result.json").write_text(json.dumps({**result, "status": "oom"}))  # e.g. a run on a smaller GPU
     plan = json.loads((other_plan / "plan.json").read_text())
     (other_plan / "plan.json").write_text(json.dumps({**plan, "seq_length": plan["seq_length"] + 1}))
     again = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0))
@@ -164,7 +165,7 @@ def test_best_confirm_past_its_time_budget_exits_3_and_exports_nothing(tmp_path)
     assert proc.returncode == 3, proc.stderr
     assert "confirmation: stopped: re-run 1 of trial #0 would need about 60 s" in proc.stdout
     assert "--time-budget-s are left; the same command resumes" in proc.stdout
-    assert not (sweep_dir / "best").exists() and not (conf / "experiment" / f"{NAME}_best.yaml").exists()
+    assert not (sweep_dir / "best").exists() and not exported_experiment(tmp_path, f"{NAME}_best").exists()
 
 
 @pytest.mark.parametrize("args", [["--time-budget-s", "30"], ["--confirm", "2", "--time-budget-s", "0"]])

@@ -74,7 +74,7 @@ def test_each_activation_part_is_a_close_lower_bound_of_the_gpu_census(name, ove
 
 def test_reference_model_has_its_documented_size():
     counts = parameter_counts(compose_run_config(["model=small"]).model)
-    assert 0.78e9 < sum(vars(counts).values()) < 0.81e9  # "the 0.8B reference" (796M, shared/device/README.md)
+    assert 0.78e9 < sum(vars(counts).values()) < 0.81e9  # "the 0.8B reference" (796M)
 
 
 def test_sharding_divides_static_memory():

@@ -17,8 +17,8 @@ import yaml
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.sweep import ledger
-from sweep_testing import (FAST_TRAIN, WORKER, children_by_trial, cli, end_orphans, mlflow_runs, only_study,
-                           private_conf, processes_under, start_cli)
+from sweep_testing import (FAST_TRAIN, WORKER, children_by_trial, cli, end_orphans, exported_experiment, mlflow_runs,
+                           only_study, private_conf, processes_under, start_cli)
 
 HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
 SMALL_SPACE = HEADER + """
@@ -67,7 +67,7 @@ def test_cpu_demo_sweep_tracks_exports_and_reproduces(tmp_path):
     best = cli(["best"], cwd=tmp_path, conf=conf).stdout
     assert "data realism synthetic_images" in best
     experiment = f"{study.study_name}_best"
-    assert (conf / "experiment" / f"{experiment}.yaml").exists()
+    assert exported_experiment(tmp_path, experiment).exists()
     rerun = cli(["run", f"+experiment={experiment}"], cwd=tmp_path, conf=conf).stdout
     rerun_dir = Path(tmp_path / rerun.split("run dir: ")[1].split()[0])
     trial_dir = Path(tmp_path / study.best_trial.user_attrs["run_dir"])
@@ -277,7 +277,7 @@ def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
                for c in confirmation["candidates"] for r in c["repeats"])
     winner = confirmation["winner"]
     assert winner is not None and f"best: trial #{winner};" in out
-    experiment = (conf / "experiment" / f"{study.study_name}_best.yaml").read_text()
+    experiment = exported_experiment(tmp_path, f"{study.study_name}_best").read_text()
     assert f"# Trial #{winner} of study" in experiment and "after confirmation re-runs" in experiment
     parent = next(r for r in mlflow_runs(tmp_path) if r.data.tags.get("moe_vlm_sweep.role") == "parent")
     assert parent.data.tags["moe_vlm_sweep.confirmed_trial"] == str(winner)
@@ -321,7 +321,7 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
               conf=conf).stdout
     assert f"best: trial #{winner['trial']} stays exported (it held in an earlier confirmation)" in out, out[-2000:]
-    assert "after confirmation re-runs" in (conf / "experiment" / f"{study.study_name}_best.yaml").read_text()
+    assert "after confirmation re-runs" in exported_experiment(tmp_path, f"{study.study_name}_best").read_text()
 
 
 def test_a_space_in_the_old_list_form_of_fixed_fails_naming_the_knob(tmp_path):

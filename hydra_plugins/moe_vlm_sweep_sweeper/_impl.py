@@ -75,7 +75,7 @@ class SweeperImpl(Sweeper):
         return Path(self.config.outputs_dir) / "sweeps" / name if self.project else None
 
     def _open_tracker(self, name: str, url: str) -> Any:
-        from moe_vlm_sweep.config.compose import REPO_ROOT
+        from moe_vlm_sweep.provenance import provenance_tags
         from moe_vlm_sweep.tracking import mlflow_sink
 
         tracking = self.config.tracking
@@ -83,7 +83,7 @@ class SweeperImpl(Sweeper):
         tracker = mlflow_sink.SweepTracker(
             tracking_uri=uri, experiment=tracking.experiment, study_name=name,
             artifact_root=mlflow_sink.default_artifact_root(self.config.outputs_dir),
-            static_tags={"moe_vlm_sweep.git_commit": mlflow_sink.git_commit(REPO_ROOT)})
+            static_tags=provenance_tags(mlflow_sink.TAG))
         tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": url})
         return tracker
 
@@ -327,7 +327,7 @@ class SweeperImpl(Sweeper):
         realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         print(progress.table(top, spec.objective.metrics, realism=realism), flush=True)
         if self.project and top:
-            from moe_vlm_sweep.config.compose import CONF_DIR
+            from moe_vlm_sweep.config.compose import exports_dir
 
             held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm else None
             kept = confirmed_export(sweep_dir) if held is None else None
@@ -337,7 +337,8 @@ class SweeperImpl(Sweeper):
                 print(f"best: trial #{kept} stays exported (it held in an earlier confirmation); this run's "
                       f"unconfirmed best is #{top[0].number}", flush=True)
             else:
-                exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=spec.top_k, confirmed=held)
+                exported = export(study, sweep_dir=sweep_dir, conf_dir=exports_dir(self.config.outputs_dir),
+                                  top_k=spec.top_k, confirmed=held)
                 unconfirmed = " (unconfirmed)" if held is None and spec.confirm else ""
                 print(f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
                       f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)

@@ -412,7 +412,7 @@ class TrainConf:
     (``expandable_segments:True`` in PyTorch's allocator settings, set by the launcher for the worker), so
     shapes that change every micro-batch (packed rows) and large transients (the loss's logits) leave no stranded
     memory: the padded MBS 112 run on the H200 ran out of memory with 18.8 GiB reserved but unallocated
-    (``benchmarks/results/README.md``, sixth session). GPU only."""
+    (``benchmarks/results/h200_small_fused/h200_mbs96_repeats.json``). GPU only."""
     activation_census: bool = True
     """After the measured steps, one step counts the tensors autograd saves for backward, per part of the model
     (``train/census.py``): ``metrics.json``'s ``saved_activations``, next to the memory estimate's parts. Not with

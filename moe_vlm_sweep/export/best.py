@@ -2,8 +2,9 @@
 
 Each trial stores the exact overrides it ran with (user attr ``overrides``: the fixed ones plus the sampled
 ones, what ``plan.overrides`` held). The export turns them into three equivalent forms: an override file, an
-experiment config (``conf/experiment/<name>.yaml``, ``# @package _global_``, group choices as
-``override /group: option`` and field values as YAML), and the command line. Results of different data realism
+experiment config (``<outputs>/conf/experiment/<name>.yaml``, on every composition's search path;
+``# @package _global_``, group choices as ``override /group: option`` and field values as YAML), and the command
+line. Nothing is written into the package. Results of different data realism
 are never ranked together: a study holding more than one refuses, naming the counts.
 """
 
@@ -19,6 +20,7 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from optuna.trial import FrozenTrial, TrialState
 
+from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.launch.run_dir import rerun_command, write_atomic
 
 
@@ -60,8 +62,9 @@ def ranked(study: optuna.Study) -> list[FrozenTrial]:
     return sorted(complete, key=lambda t: (sign * t.values[0], t.number))
 
 
-def experiment_yaml(overrides: Sequence[str], conf_dir: Path, *, header: str = "") -> str:
-    """An experiment config equivalent to ``overrides`` (group choices first, then field values)."""
+def experiment_yaml(overrides: Sequence[str], conf_dir: Path = CONF_DIR, *, header: str = "") -> str:
+    """An experiment config equivalent to ``overrides`` (group choices first, then field values); a key is a
+    group choice when ``conf_dir`` (the packaged configs) has a folder of that name."""
     defaults: list[dict[str, str]] = []
     values: dict[str, Any] = {}
     for override in OverridesParser.create().parse_overrides(list(overrides)):
@@ -84,6 +87,8 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
            confirmed: Optional[FrozenTrial] = None) -> list[Exported]:
     """Write the top ``top_k`` trials (experiment configs, override files, commands); return them.
 
+    ``conf_dir``: the config root the experiments go into (``config.compose.exports_dir`` of the outputs
+    folder), as ``experiment/<name>.yaml``.
     ``confirmed``: the trial that held in confirmation re-runs (``export.confirm``); it becomes rank 1, so
     ``<study>_best``, ``overrides.yaml`` and ``command.sh`` replay it, and the others keep the study's order.
     """
@@ -104,7 +109,7 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
         held = " after confirmation re-runs, see best/confirm.json" if trial is confirmed else ""
         header = (f"# Trial #{trial.number} of study {study.study_name} (rank {rank}{held}, values {trial.values}, "
                   f"data realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n")
-        write_atomic(conf_dir / "experiment" / f"{name}.yaml", experiment_yaml(overrides, conf_dir, header=header))
+        write_atomic(conf_dir / "experiment" / f"{name}.yaml", experiment_yaml(overrides, header=header))
         exported.append(Exported(rank=rank, trial=trial, experiment=name, overrides=overrides))
     if exported:
         best = exported[0]

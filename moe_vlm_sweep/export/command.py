@@ -1,7 +1,7 @@
 """``moe-vlm-sweep best [STUDY]``: rank a study, write its top configs, print how to re-run the winner.
 
 ``--confirm N`` first re-runs each of the ``--top`` trials N times and exports the one whose median holds
-(``moe_vlm_sweep.export.confirm``). With ``--time-budget-s`` (a GPU lease's or an allocation's time left) it
+(``moe_vlm_sweep.export.confirm``). With ``--time-budget-s`` (the time left in an allocation) it
 starts no re-run that would overrun it and exits with status 3, exporting nothing; the same command reuses the
 finished re-runs and goes on.
 """
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import optuna
 
-from moe_vlm_sweep.config.compose import CONF_DIR
+from moe_vlm_sweep.config.compose import exports_dir
 from moe_vlm_sweep.export.best import ExportError, export, realism_of
 from moe_vlm_sweep.export.confirm import CONFIRM_FILE, confirm
 from moe_vlm_sweep.export.confirm import table as confirm_table
@@ -82,7 +82,7 @@ def main(argv: Sequence[str]) -> int:
             if confirmation.candidates and held is None:
                 print("error: no candidate held: each had a failed re-run; nothing exported", file=sys.stderr)
                 return 1
-        exported = export(study, sweep_dir=sweep_dir, conf_dir=CONF_DIR, top_k=args.top,
+        exported = export(study, sweep_dir=sweep_dir, conf_dir=exports_dir(outputs), top_k=args.top,
                           confirmed=held.trial if held else None)
         realism = realism_of([e.trial for e in exported])
     except (ExportError, SweepSpecError, KeyError) as exc:
@@ -95,5 +95,5 @@ def main(argv: Sequence[str]) -> int:
     print(table([e.trial for e in exported], metrics, realism=realism))
     how = (f", confirmed: median {held.median_values[0]:.4g} over {args.confirm} re-run(s)" if held else "")
     print(f"\nbest: trial #{exported[0].trial.number} (data realism {realism}{how})\n  {exported[0].command}\n"
-          f"  files: {sweep_dir / 'best'}, {CONF_DIR / 'experiment' / exported[0].experiment}.yaml")
+          f"  files: {sweep_dir / 'best'}, {exports_dir(outputs) / 'experiment' / exported[0].experiment}.yaml")
     return 0

@@ -10,8 +10,8 @@ CV across the repeats' median step times is reported against :data:`CV_TARGET`; 
 Everything lands in ``<sweep_dir>/best/confirm.json``.
 
 A confirmation is as resumable as the sweep: a repeat that an interrupted confirmation finished successfully
-(its ``result.json`` written, the same plan) is read back, not re-run, and a time budget (a GPU lease, a Slurm
-allocation) starts no repeat that the trial it repeats says would overrun it. An incomplete confirmation writes no
+(its ``result.json`` written, the same plan) is read back, not re-run, and a time budget (a Slurm
+allocation, a reserved machine's hours) starts no repeat that the trial it repeats says would overrun it. An incomplete confirmation writes no
 ``confirm.json`` and names no winner; the same command goes on from where it stopped.
 """
 
@@ -181,7 +181,7 @@ def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> Opti
     """Repeat ``index`` of trial ``number`` as an earlier, interrupted confirmation measured it, if it succeeded
     under this very plan: ``result.json`` is written last, and ``plan.json`` must equal the plan this code makes
     (the resolved config included, so a run under another commit's defaults is not reused). A failed repeat
-    runs again: the next lease may be another machine, and one OOM must not block the candidate for good."""
+    runs again: the next attempt may run on another machine, and one OOM must not block the candidate for good."""
     wanted = json.loads(json.dumps(plan.to_dict()))
     for run_dir in sorted((confirm_dir / "runs").glob(f"*-t{number}-r{index}-*")):
         if not (run_dir / RESULT_FILE).exists():

@@ -2,7 +2,7 @@
 
 The classification reads what the worker wrote (``metrics.json`` or ``failure.json``) and falls back to the
 exit status only when the worker could not write: a signal is a ``crash``, a run past ``train.timeout_s`` is a
-``timeout``. The worker runs in a new process session, so a timeout kills the whole group (torchrun and every
+``timeout``. The worker runs in its own process group (``setsid``), so a timeout kills the whole group (torchrun and every
 rank), never leaving an orphan holding a GPU; if this process itself is killed, the ranks see it gone and exit
 (``launch/lifeline.py``).
 """
@@ -50,7 +50,7 @@ def worker_command(plan: RunPlan, run_dir: Path) -> list[str]:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """End the worker's whole process session; also reaps ranks a finished torchrun left behind."""
+    """End the worker's whole process group; also reaps ranks a finished torchrun left behind."""
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
         try:
             os.killpg(proc.pid, sig)

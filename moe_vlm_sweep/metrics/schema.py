@@ -137,8 +137,8 @@ class Metrics:
     The measured steps are often a small part of a sweep trial's cost; this says where the rest goes."""
     warmup_step_time_s: list[float] = field(default_factory=list)
     """Each warm-up step, timed like a measured step: the one-off costs of the first steps (kernel autotuning,
-    JIT fusions, allocator growth) apart from the steady ones. On the H200 warm-up took 24-68 s of trials whose
-    8 measured steps took 13-17 s (``benchmarks/results/README.md``, fifth session)."""
+    JIT fusions, allocator growth) apart from the steady ones: in a sweep trial the warm-up can cost more than
+    all the measured steps together."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections inside the measured steps (``count``, ``seconds``): 0 with ``train.manual_gc``
     (the default); with it off, the pauses that can make single host-bound steps slow."""

@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moe_vlm_sweep.config.compose import CONF_DIR
+from moe_vlm_sweep.config.compose import CONF_DIR, with_searchpath
 from moe_vlm_sweep.config.store import register
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
@@ -42,7 +42,7 @@ def task(cfg: DictConfig) -> RunResult:
 def multirun(argv: Sequence[str]) -> int:
     register()
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)
-    saved, sys.argv = sys.argv, ["moe-vlm-sweep", *argv]
+    saved, sys.argv = sys.argv, ["moe-vlm-sweep", *with_searchpath(argv)]
     try:
         app()
     except SystemExit as exc:

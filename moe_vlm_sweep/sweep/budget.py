@@ -1,4 +1,4 @@
-"""A sweep process's wall-clock budget (``sweep.time_budget_s``): the end of a Slurm allocation or a GPU lease.
+"""A sweep process's wall-clock budget (``sweep.time_budget_s``): the end of a Slurm allocation or a reservation.
 
 A trial killed at the allocation's end is time spent for nothing, so no trial starts that the slowest trial seen
 (the study's finished ones, then this process's) says would overrun the budget, and no confirmation re-run that

@@ -97,7 +97,7 @@ class SweepConf:
     """Re-runs of each of the ``top_k`` trials when the sweep ends (as ``best --confirm N``): the exported best is
     the one whose median holds. 0: export the single-measurement ranking."""
     time_budget_s: Optional[float] = None
-    """Wall-clock seconds this sweep process may run (the end of its Slurm allocation or GPU lease): it starts
+    """Wall-clock seconds this sweep process may run (the end of its Slurm allocation or machine reservation): it starts
     no trial, and no confirmation, that its slowest trial so far says would overrun them, and stops cleanly;
     the same command resumes. None: no limit."""
     resume: ResumeConf = field(default_factory=ResumeConf)

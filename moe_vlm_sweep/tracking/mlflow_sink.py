@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import math
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional
@@ -55,15 +54,6 @@ def sqlite_init_lock(uri: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def git_commit(repo: Path) -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else "none"
-    except (OSError, subprocess.SubprocessError):
-        return "none"
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

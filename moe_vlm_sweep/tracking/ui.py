@@ -36,7 +36,7 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     print(f"MLflow UI: http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
-    # The server forks its own web workers: run it in its own session and end that whole group on the way out,
+    # The server forks its own web workers: run it in its own process group and end that whole group on the way out,
     # whether we stop by Ctrl-C or by SIGTERM, so no server outlives the command.
     proc = subprocess.Popen(ui_command(args.outputs, host=args.host, port=args.port, tracking_uri=args.tracking_uri),
                             env=os.environ.copy(), start_new_session=True)

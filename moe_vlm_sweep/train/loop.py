@@ -99,7 +99,7 @@ def training_stream(plan: RunPlan) -> contextlib.AbstractContextManager:
     stream (by the DDP wrapper or the eager warmup steps) make TE's backward capture fail with
     cudaErrorStreamCaptureImplicit ("would make the legacy stream depend on a capturing blocking stream", seen
     on the H200). PyTorch's CUDA-graph notes prescribe warming up on a side stream for this reason. Only capture
-    needs it, and the issue's Megatron-FSDP baseline ran at half its earlier speed once every run used it
+    needs it, and the Megatron-FSDP baseline ran at half its earlier speed once every run used it
     (benchmarks/results/README.md).
     """
     if plan.device == "cuda" and plan.run_config.cuda_graph.impl != "none":

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# Steps of a call on the lent H200 (../shared/device/README.md), each bounded to fit the device's 600 s per call;
-# results land in $OUT. Usage (device tool, carrying .kit and .whl, and `outputs` to resume a sweep):
-#   bash benchmarks/h200_call.sh COMMIT STEP...
+# The GPU measurements of benchmarks/results/README.md as named steps, each bounded by `timeout`, run from the
+# repository root on a GPU host; files land in $OUT (default /tmp/out).
+#   INSTALL='pip install -e .[gpu,test]' bash benchmarks/gpu_steps.sh COMMIT STEP...
+# INSTALL: a command that makes the package and its GPU dependencies importable on this host (default: none, they
+# already are); EXTRA_PYTHONPATH: folders put before the checkout on PYTHONPATH; COMMIT: recorded as GIT_COMMIT
+# where the tree has no .git; TIME_S: the wall-clock seconds the whole run may take (default 570), which the sweep
+# and confirm steps divide among themselves.
 #   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline |
 #         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack
-#   Every step but gputests, h100packing, imports and pack needs an H200's memory: on a smaller card (a call for
-#   an H200 may land on an H100) the script stops before them rather than OOM or mix machines in one study.
+#   Every step but gputests, h100packing, imports and pack needs an H200's memory: on a smaller card the script
+#   stops before them rather than run out of memory or mix machines in one study.
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
-#             attention-backend log, and the 1599-token attn config the worker's preflight must refuse
+#             attention-backend log, and the 1599-token attn config the worker's preflight must reject
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
-#             the call's time left (CALL_S, default 570 s, less 30 s for pack) as sweep.time_budget_s, so it
-#             stops between trials and confirms only when the re-runs fit
+#             the time left (TIME_S less 30 s for pack) as sweep.time_budget_s, so it stops between trials and
+#             confirms only when the re-runs fit
 #   proxy=N   the same for h200_proxy (model=qwen3_vl_30b_a3b_proxy)
 #   s1664=N   the same for h200_small_s1664 (model=small, 3D, 1664 decoder tokens, MBS 32-96, GBS 192)
 #   fused=N   the same for h200_small_fused (s1664 with the fused SwiGLU and the unfused loss, MBS 64-96)
 #   packed=N  the same for h200_small_packed (h200_small_fused at GBS 384 with and without data.packing and the
 #             allocator's expandable segments, MBS 96-128)
-#   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported;
-#             within the call's time left (six re-runs of h200_small_fused's trials took about 450 s); re-runs
-#             that do not fit are left for the next call's confirm=STUDY, which reuses the finished ones
+#   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported,
+#             within the time left; re-runs that do not fit are left for the next confirm=STUDY, which reuses the
+#             finished ones
 #   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes and packed THD rows train like eager,
 #             eager runs a census); gputests=EXPR runs those pytest -k EXPR selects
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
@@ -26,24 +30,21 @@
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
 #   fusions   megatron's fused SwiGLU (fusions.bias_activation) and fused router (fusions.moe_router) against
 #             unfused, alone and together, at MBS 64 (eager, 3D, 1664 tokens), then both at MBS 96
-#   mbs96     the study's best (MBS 64, eager, GBS 192) against MBS 96 with the fused SwiGLU and the unfused loss,
-#             which take back the expert activations' copies and the loss's fp32 logits (plan/memory.py: 111.4 GiB
-#             against 130.9 GiB with the fused loss)
-#   packing   packed micro-batches past MBS 96, which the padded ones could not fit (MBS 112 ran out of memory):
-#             packed MBS 96, 112 and 128 (eager, fused SwiGLU, unfused loss; two micro-batches a step each). A
-#             packed micro-batch averages about 84% of the padded tokens, so MBS 128 holds about padded MBS 108
-#   h100packing  packed against padded rows at MBS 48-64 with hardware=h100, for a call that lands on an H100
-#   baseline  the issue's baseline (FSDP, MBS 8, eager) next to 3D MBS 32, for ratios within this call
+#   mbs96     MBS 64 (eager, GBS 192) against MBS 96 with the fused SwiGLU and the unfused loss, which take back
+#             the expert activations' copies and the loss's fp32 logits (plan/memory.py)
+#   packing   packed micro-batches past MBS 96: packed MBS 96, 112 and 128 (eager, fused SwiGLU, unfused loss;
+#             two micro-batches a step each)
+#   h100packing  packed against padded rows at MBS 48-64 with hardware=h100, on an H100 (80 GB)
+#   baseline  the FSDP baseline (FSDP, MBS 8, eager) next to 3D MBS 32
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
-#   pack      outputs/, exported experiments and the step folders as $OUT/outputs.tgz
-# Call 2 of 2026-12-03 ran the earlier form of this script: graphs (MBS 32), sweep=9, confirm, baseline.
+#   pack      outputs/ (with its exported experiments) and the step folders as $OUT/outputs.tgz
 set -u
-bash .kit/install.sh .kit/kit .whl >/dev/null || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT=$1
+[[ -z ${INSTALL:-} ]] || eval "$INSTALL" >/dev/null || exit 1
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 GIT_COMMIT=$1
 shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-CALL_S=${CALL_S:-570}
-left() { echo $((CALL_S - SECONDS)); }
+TIME_S=${TIME_S:-570}
+left() { echo $((TIME_S - SECONDS)); }
 C="model=small hardware=h200 batch.gbs=32 train.warmup_steps=3 train.steps=8 train.timeout_s=100 recompute=none vision=trainable dispatcher=alltoall"
 D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -55,13 +56,13 @@ for step in "$@"; do
 done
 S="model.text_tokens=1089"  # 1664 decoder tokens, a multiple of 128 (1599 is not): TE's cuDNN graph-capture rule
 # A worker a timeout orphaned must not share the GPU. "[m]" keeps the pattern from matching a shell whose own
-# command line holds it (an inline call of 2026-12-03 ended itself that way).
+# command line holds it.
 stop_orphans() { pkill -f "[m]oe_vlm_sweep.train.worker"; sleep 2; }
 for step in "$@"; do
   case "$step" in
     graphs)  # every graph scope against eager at 1664 decoder tokens (a multiple of 128, so TE keeps fused attention
-             # under capture on cuDNN <= 9.15), 3D MBS 32, after the 1599-token attn config that preflight must refuse;
-             # about 70 s a config: a call of its own
+             # under capture on cuDNN <= 9.15), 3D MBS 32, after the 1599-token attn config that preflight must reject;
+             # about 70 s a config
       NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout 520 python3 benchmarks/compare_configs.py --outputs /tmp/graphs \
         --out "$OUT/h200_graphs.json" --common "$C parallel=3d batch.mbs=32 $S" \
         --config attn_1599="cuda_graph=attn model.text_tokens=1024" \
@@ -91,7 +92,7 @@ for step in "$@"; do
       stop_orphans ;;
     fusions)  # the two fusions fusions=auto leaves off until measured, one at a time and together, at MBS 64 (eager,
               # 3D, 1664 tokens; GBS = MBS, one micro-batch a step), with a kernel table of both; then both at MBS 96
-              # (unfused, plan/memory.py refuses MBS 96 at 152.9 GiB); about 90 s a config
+              # (unfused, plan/memory.py rejects MBS 96 at 152.9 GiB); about 90 s a config
       timeout 500 python3 benchmarks/compare_configs.py --outputs /tmp/fusions --out "$OUT/h200_fusions.json" \
         --common "${C/batch.gbs=32 /} train.timeout_s=160 parallel=3d cuda_graph=none batch.mbs=64 batch.gbs=64 $S" \
         --config unfused="fusions.bias_activation=false fusions.moe_router=false" \
@@ -120,7 +121,7 @@ for step in "$@"; do
       (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
       timeout $t python3 -m moe_vlm_sweep.cli best "${step#confirm=}" --top 3 --confirm 2 --time-budget-s $((t - 20)) \
         >> "$OUT/confirm.log" 2>&1
-      echo "best --confirm exited $? (3: re-runs left for the next call)" | tee -a "$OUT/confirm.log"
+      echo "best --confirm exited $? (3: re-runs left for the next confirm step)" | tee -a "$OUT/confirm.log"
       stop_orphans
       tail -12 "$OUT/confirm.log" ;;
     packing)  # about 100 s a config
@@ -130,7 +131,7 @@ for step in "$@"; do
         --config packed_mbs96="batch.mbs=96 batch.gbs=192" --config packed_mbs112="batch.mbs=112 batch.gbs=224" \
         --config packed_mbs128="batch.mbs=128 batch.gbs=256"
       stop_orphans ;;
-    h100packing)  # an H100 (80 GB) when no H200 comes: packed against padded rows on TE's THD attention at a
+    h100packing)  # an H100 (80 GB): packed against padded rows on TE's THD attention at a
                   # batch that fits (padded MBS 48, packed MBS 48 and 64; GBS 192, fused SwiGLU, unfused loss,
                   # expandable segments), with TE's attention-backend log; about 70 s a config
       h100=${C/hardware=h200/hardware=h100}
@@ -160,7 +161,7 @@ for step in "$@"; do
         done
       done | tee "$OUT/imports.txt" ;;
     pack)
-      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs conf/experiment /tmp/graphs /tmp/baseline /tmp/mbs64 \
+      tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs /tmp/graphs /tmp/baseline /tmp/mbs64 \
         /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing /tmp/h100packing 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

@@ -1,0 +1,53 @@
+"""benchmarks/results/README.md quotes its files exactly: each compare output's command, commit, date and table
+as the JSON holds them, each confirmation's medians as ``confirm.json`` holds them. A number edited by hand, or a
+file re-measured without its section, fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+README = (RESULTS / "README.md").read_text()
+QUOTED = re.compile(r"^`([\w/.-]+\.json)`(?: — [^\n]*)?\. Commit `(\w+)`, (\S+)\.\n\n```\n(.*?)\n```\n", re.M | re.S)
+
+
+def _quotes() -> list[tuple[str, str, str, str, str]]:
+    found = []
+    for match in QUOTED.finditer(README):
+        name, commit, date, command = match.groups()
+        rest = README[match.end():]
+        table = rest[rest.index("config |"):].split("\n\n")[0] if "config |" in rest else ""
+        found.append((name, commit, date.rstrip("."), command, table.strip()))
+    return found
+
+
+def _is_compare_output(path: Path) -> bool:
+    data = json.loads(path.read_text())
+    return isinstance(data, dict) and {"command", "git_commit", "table"} <= data.keys()
+
+
+def test_every_compare_output_is_quoted():
+    quoted = {q[0] for q in _quotes()}
+    outputs = {p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*.json") if _is_compare_output(p)}
+    assert outputs and outputs - quoted == set()
+
+
+@pytest.mark.parametrize("name, commit, date, command, table", _quotes(), ids=lambda v: v if "/" in v or
+                         v.endswith(".json") else None)
+def test_a_quoted_output_matches_its_file(name, commit, date, command, table):
+    data = json.loads((RESULTS / name).read_text())
+    assert (commit, date, command) == (data["git_commit"], data["date"], data["command"])
+    assert table == data["table"].strip()
+
+
+@pytest.mark.parametrize("study", ["h200_single_small", "h200_proxy", "h200_small_s1664", "h200_small_fused"])
+def test_confirmation_medians_match_their_file(study):
+    record = json.loads((RESULTS / study / "confirm.json").read_text())
+    section = README[README.index(f"`{study}/confirm.json`"):]
+    for candidate in record["candidates"]:
+        median = f"{100 * candidate['median_values'][0]:.2f}" if candidate.get("median_values") else "-"
+        assert re.search(rf"^#{candidate['trial']} \| [^|]+ \| [^|]+ \| {re.escape(median)} \|", section, re.M)
