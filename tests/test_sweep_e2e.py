@@ -28,6 +28,7 @@ fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps:
 params:
   batch.mbs: [1, 2, 4]
   vision: [trainable, frozen]
+allow_recipe_changes: [vision]
 """
 
 

@@ -101,6 +101,14 @@ class SweepConf:
     no trial, and no confirmation, that its slowest trial so far says would overrun them, and stops cleanly;
     the same command resumes. None: no limit."""
     resume: ResumeConf = field(default_factory=ResumeConf)
+    allow_recipe_changes: list[str] = field(default_factory=list)
+    """Params (or recipe fields, or their groups) the search may vary although they change what is trained
+    (``vision``, ``batch.gbs``, ``cuda_graph`` for scopes that drop tokens): without them a space that varies
+    a recipe field fails at start (``sweep/recipe.py``), and with them each recipe is ranked separately. Not
+    part of the study's name: it permits trials, it does not change them."""
+    verify: bool = True
+    """After a confirmation, ``moe-vlm-sweep verify`` trains the winner and the study's first trial on the same
+    batches and compares their loss curves (``export/verify.py``); false skips it."""
 
     def __post_init__(self) -> None:
         if self.n_trials < 1:
