@@ -268,7 +268,8 @@ def test_a_sweep_over_mixed_data_realism_stops_clearly(tmp_path):
 def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
     """sweep.confirm=N: the top trials really re-train N times each; the exported best is the one that held."""
     conf = private_conf(tmp_path, {"small": SMALL_SPACE})
-    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.top_k=2"], cwd=tmp_path, conf=conf).stdout
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.top_k=2", "sweep.verify_steps=3"], cwd=tmp_path,
+              conf=conf).stdout
     study = only_study(tmp_path)
     confirmation = json.loads((tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json")
                               .read_text())
@@ -282,6 +283,14 @@ def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
     assert f"# Trial #{winner} of study" in experiment and "after confirmation re-runs" in experiment
     parent = next(r for r in mlflow_runs(tmp_path) if r.data.tags.get("moe_vlm_sweep.role") == "parent")
     assert parent.data.tags["moe_vlm_sweep.confirmed_trial"] == str(winner)
+    # the winner trained against trial #0 on the same batches (or is trial #0); the verdict is in MLflow
+    verdict = parent.data.tags["moe_vlm_sweep.verify"]
+    assert verdict == ("baseline" if winner == 0 else "pass"), out[-3000:]
+    assert (verdict == "baseline") or "verify: PASS" in out
+    trials = {t.number: t for t in study.get_trials()}
+    tagged = {n: r.data.tags["moe_vlm_sweep.recipe"] for n, r in children_by_trial(mlflow_runs(tmp_path)).items()
+              if "moe_vlm_sweep.recipe" in r.data.tags}  # launched trials: the fingerprint of what they trained
+    assert tagged and all(fingerprint == trials[n].user_attrs["recipe"] for n, fingerprint in tagged.items())
 
 
 @pytest.mark.slow

@@ -328,7 +328,43 @@ class SweeperImpl(Sweeper):
         if self.tracker is not None:
             self.tracker.log_sweep(params={}, tags={"moe_vlm_sweep.confirmed_trial":
                                                     winner.trial.number if winner else "none"})
+        if winner and spec.verify:
+            self._verify(study, spec, sweep_dir, winner.trial, plan)
         return winner.trial if winner else False
+
+    def _verify(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, winner: optuna.trial.FrozenTrial,
+                plan: Any) -> None:
+        """The confirmed winner against the study's first trial, same seeds and batches (``export/verify.py``):
+        printed, written to ``<sweep_dir>/verify/verify.json`` and tagged on the MLflow parent run."""
+        from moe_vlm_sweep.export.verify import VerifyError, verify
+
+        first = min((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("overrides")),
+                    key=lambda t: t.number)
+        if first.number == winner.number:
+            verdict_tags = {"moe_vlm_sweep.verify": "baseline"}
+            print(f"verify: the winner is the study's first trial #{first.number}: nothing to compare", flush=True)
+        elif not self.budget.allows(3 * self.budget.slowest):
+            verdict_tags = {"moe_vlm_sweep.verify": "postponed"}
+            print(f"verify: postponed: {self.budget.why_not('its three runs', 3 * self.budget.slowest, 'three trials')}"
+                  f"; run it later: moe-vlm-sweep verify {study.study_name}", flush=True)
+        else:
+            print(f"verify: trial #{winner.number} against the study's first trial #{first.number} "
+                  f"({spec.verify_steps} steps each; sweep.verify=false skips)", flush=True)
+            try:
+                verdict = verify(winner.user_attrs["overrides"], first.user_attrs["overrides"],
+                                 steps=spec.verify_steps, out_dir=sweep_dir / "verify", plan=plan,
+                                 progress=lambda line: print(line, flush=True))
+            except VerifyError as exc:
+                print(f"verify: ERROR: {exc}", flush=True)
+                verdict_tags = {"moe_vlm_sweep.verify": "error"}
+            else:
+                print(verdict.summary(), flush=True)
+                verdict_tags = {"moe_vlm_sweep.verify": verdict.status,
+                                "moe_vlm_sweep.verify_max_loss_deviation": verdict.max_deviation,
+                                "moe_vlm_sweep.verify_max_deviation_step": verdict.max_deviation_step,
+                                "moe_vlm_sweep.verify_trials": f"#{winner.number} vs #{first.number}"}
+        if self.tracker is not None:
+            self.tracker.log_sweep(params={}, tags={k: v for k, v in verdict_tags.items() if v is not None})
 
     @staticmethod
     def _best(study: optuna.Study) -> Optional[optuna.trial.FrozenTrial]:

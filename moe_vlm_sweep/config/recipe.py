@@ -121,6 +121,12 @@ def differences(values: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {path: value for path, value in values.items() if base.get(path, object()) != value}
 
 
+def between(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Where recipe ``a`` differs from recipe ``b``, given each one's ``differs`` (from the model's defaults): a
+    field only one of them lists is at its default in the other."""
+    return {k: a.get(k, "default") for k in sorted({*a, *b}) if a.get(k, "default") != b.get(k, "default")}
+
+
 def describe(diff: dict[str, Any]) -> str:
     return ", ".join(f"{path}={value}" for path, value in diff.items()) or "none"
 

@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from moe_vlm_sweep.config.recipe import between
+
 
 class RecipeError(ValueError):
     """``--recipe`` names no recipe of the study."""
@@ -56,12 +58,6 @@ def pareto(trials: Sequence[FrozenTrial], study: optuna.Study) -> list[FrozenTri
     return _get_pareto_front_trials_by_trials(list(trials), study.directions)
 
 
-def differs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Fields where recipe ``a`` differs from recipe ``b``, given each one's differences from the model's defaults
-    (a field only one of them lists is at its default in the other)."""
-    return {k: a.get(k, "default") for k in sorted({*a, *b}) if a.get(k, "default") != b.get(k, "default")}
-
-
 @dataclass(frozen=True)
 class OtherRecipe:
     fingerprint: str
@@ -84,7 +80,7 @@ def others(study: optuna.Study, recipe: Optional[str]) -> list[OtherRecipe]:
         mine = [t for t in trials if recipe_of(t) == fingerprint]
         found.append(OtherRecipe(fingerprint=fingerprint,
                                  trials=[t for t in mine if t.state == TrialState.COMPLETE],
-                                 differs=differs(mine[0].user_attrs.get("recipe_differs", {}), base)))
+                                 differs=between(mine[0].user_attrs.get("recipe_differs", {}), base)))
     return found
 
 
