@@ -112,3 +112,25 @@ def test_best_exports_the_baselines_recipe_and_lists_the_other(tmp_path):
 def test_export_of_one_recipe(tmp_path):
     exported = export(_mixed_study(), sweep_dir=tmp_path / "s", conf_dir=tmp_path, top_k=3)
     assert [e.trial.number for e in exported] == [2, 0]
+
+
+@pytest.mark.slow
+def test_with_the_opt_in_the_sweep_runs_and_best_ranks_each_recipe_apart(tmp_path):
+    space = VISION_SPACE + ("allow_recipe_changes: [vision]\nfirst_trials:\n  - {batch.mbs: 1, vision: trainable}\n"
+                            "  - {batch.mbs: 1, vision: frozen}\n")
+    conf = private_conf(tmp_path, {"vis": space})
+    out = cli(["run", "-m", "sweep=vis", "sweep.verify=false"], cwd=tmp_path, conf=conf).stdout
+    assert "sweep.params.vision may change the recipe" in out
+    assert "the study holds 2 recipes" in out, out[-3000:]
+    out = cli(["best"], cwd=tmp_path, conf=conf).stdout
+    assert "best: trial #0" in out and "ranked: " in out and "1 completed trial(s), best trial #1" in out, out
+    assert "vision.freeze_encoder=True" in out
+
+
+def test_the_opt_in_is_a_command_line_override_too():
+    from moe_vlm_sweep.config.compose import compose_config
+    from moe_vlm_sweep.sweep.spec import load_spec
+
+    spec = load_spec(compose_config(["sweep=cluster_3d", "sweep.allow_recipe_changes=[vision,batch.gbs]"]).sweep)
+    assert spec.allow_recipe_changes == ["vision", "batch.gbs"]
+    assert load_spec(compose_config(["sweep=h200_small_s1664"]).sweep).allow_recipe_changes == ["vision"]

@@ -59,3 +59,19 @@ def test_a_token_dropping_candidate_fails(tmp_path, capsys):
     assert code == 1, out
     assert "verify: FAIL" in out and "nearest its tolerance at step 0" in out
     assert "recipes differ" in out and "dispatcher.capacity_factor=1.0" in out
+
+
+def test_a_study_is_verified_as_its_winner_against_its_first_trial(tmp_path):
+    import optuna
+    import yaml
+
+    from moe_vlm_sweep.export.verify_command import study_pair
+
+    study = optuna.create_study(direction="maximize")
+    for mbs, value in ((1, 1.0), (2, 3.0), (4, 2.0)):
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"overrides": ["model=tiny",
+                                                                                        f"batch.mbs={mbs}"]}))
+    assert study_pair(study, tmp_path) == (1, ["model=tiny", "batch.mbs=2"], ["model=tiny", "batch.mbs=1"])
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "top.yaml").write_text(yaml.safe_dump([{"trial": 2, "confirmed": True}]))
+    assert study_pair(study, tmp_path)[:2] == (2, ["model=tiny", "batch.mbs=4"])  # the exported winner

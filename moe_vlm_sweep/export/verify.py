@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from moe_vlm_sweep.config import recipe as recipes
+from moe_vlm_sweep.export.confirm import _plan
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare, write_json_atomic
@@ -126,10 +127,11 @@ def _perturbations(reference: RunPlan, candidate: RunPlan) -> list[int]:
 
 
 def verify(candidate: Sequence[str], reference: Sequence[str], *, steps: int = DEFAULT_STEPS, out_dir: Path,
-           plan: PlanFn, progress: Callable[[str], None] = lambda line: None) -> Verdict:
+           plan: PlanFn = _plan, progress: Callable[[str], None] = lambda line: None) -> Verdict:
     """Train ``reference``, its re-split twin and ``candidate`` (override lists) for ``steps`` steps each under
     ``out_dir/runs`` and compare; ``verify.json`` in ``out_dir`` records the verdict. Invalid configs raise
-    :class:`VerifyError` before anything runs."""
+    :class:`VerifyError` before anything runs. ``plan`` composes and validates overrides as ``moe-vlm-sweep run``
+    does; the sweeper passes its own (Hydra is already initialized inside a sweep)."""
     if steps < 2:
         raise VerifyError(f"--steps={steps} must be >= 2: one step shows no training")
     try:

@@ -19,21 +19,12 @@ from typing import Optional, Sequence
 
 import optuna
 import yaml
-from omegaconf import OmegaConf
 
-from moe_vlm_sweep.config.compose import compose_config, to_run_config
 from moe_vlm_sweep.export.best import ExportError, ranked
 from moe_vlm_sweep.export.command import _find_study
 from moe_vlm_sweep.export.recipes import RecipeError
 from moe_vlm_sweep.export.verify import DEFAULT_STEPS, VerifyError, verify
-from moe_vlm_sweep.plan.plan import RunPlan, make_plan
 from moe_vlm_sweep.sweep.study import open_storage
-
-
-def plan_of(overrides: list[str]) -> tuple[RunPlan, str]:
-    """(plan, resolved yaml) as ``moe-vlm-sweep run`` composes and validates them."""
-    composed = compose_config(overrides)
-    return make_plan(to_run_config(composed), overrides), OmegaConf.to_yaml(composed)
 
 
 def study_pair(study: optuna.Study, sweep_dir: Path) -> tuple[int, list[str], list[str]]:
@@ -78,7 +69,7 @@ def main(argv: Sequence[str]) -> int:
             if not args.against:
                 raise VerifyError("verify OVERRIDES needs --against OVERRIDES (the reference config)")
             candidate, reference, out_dir = list(args.target), list(args.against), outputs / "verify"
-        verdict = verify(candidate, reference, steps=args.steps, out_dir=out_dir, plan=plan_of,
+        verdict = verify(candidate, reference, steps=args.steps, out_dir=out_dir,
                          progress=lambda line: print(line, flush=True))
     except (VerifyError, ExportError, RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
