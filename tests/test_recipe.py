@@ -69,3 +69,13 @@ def test_a_steps_global_batch_is_the_same_samples_under_any_layout():
     assert len(set(reference)) == 8
     assert global_batch(mbs=1, dp=2) == global_batch(mbs=4, dp=2) == global_batch(mbs=8, dp=1) == reference
     assert global_batch(mbs=2, dp=1, step=4) != reference
+
+
+def test_check_prints_the_fingerprint_and_what_differs(capsys):
+    from moe_vlm_sweep.cli import main
+
+    assert main(["check", "vision=frozen_encoder", "batch.gbs=8"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("recipe"))
+    fingerprint = recipe.fingerprint(to_run_config(compose_config(["vision=frozen_encoder", "batch.gbs=8"])))
+    assert line.split()[1] == fingerprint
+    assert "batch.gbs=8" in line and "vision.freeze_encoder=True" in line and "freeze_projector" not in line
