@@ -20,13 +20,14 @@ from pathlib import Path
 
 from moe_vlm_sweep import provenance
 from moe_vlm_sweep.config.compose import compose_run_config
+from moe_vlm_sweep.config.recipe import between, describe
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.plan.plan import make_plan
 from moe_vlm_sweep.plan.rules import ConfigError
 
 COLUMNS = ("config", "status", "step_ms", "cv_%", "eff_tok/s/gpu", "tok_ratio", "mfu_%", "hfu_%", "mem_gib",
-           "graphed", "last_loss")
+           "graphed", "last_loss", "recipe")
 
 
 def git_commit() -> str:
@@ -44,7 +45,7 @@ def run_one(name: str, overrides: list[str], outputs: Path) -> dict:
     prepare(run_dir, plan, "")
     result = launch(plan, run_dir)
     row = {"config": name, "overrides": overrides, "status": result.status, "reason": result.reason,
-           "run_dir": str(run_dir), "wall_s": result.wall_s}
+           "run_dir": str(run_dir), "wall_s": result.wall_s, "recipe": plan.recipe}
     if result.ok:
         m = result.metrics
         row.update(step_time_s=m["step_time_s"], effective_tokens_per_s_per_gpu=m["effective_tokens_per_s_per_gpu"],
@@ -70,7 +71,24 @@ def table(rows: list[dict]) -> str:
         lines.append(" | ".join([r["config"], "ok", f"{st['median'] * 1e3:.1f}", f"{st['cv'] * 100:.1f}",
                                  f"{r['effective_tokens_per_s_per_gpu']:.0f}", f"{ratio:.2f}",
                                  f"{r['mfu'] * 100:.2f}", f"{r['hfu'] * 100:.2f}", f"{r['peak_memory_gib']:.1f}",
-                                 str(r["graphed_layers"]), f"{r['loss']['values'][-1]:.4f}"]))
+                                 str(r["graphed_layers"]), f"{r['loss']['values'][-1]:.4f}",
+                                 r["recipe"]["fingerprint"]]))
+    return "\n".join(lines) + recipes_note(rows)
+
+
+def recipes_note(rows: list[dict]) -> str:
+    """Said under the table when its configs train different models (``config/recipe.py``): a ratio across
+    recipes compares speed and what is trained at once."""
+    ran = [r for r in rows if r.get("recipe")]
+    if len({r["recipe"]["fingerprint"] for r in ran}) < 2:
+        return ""
+    base = ran[0]["recipe"]
+    lines = [f"\nThese configs train {len({r['recipe']['fingerprint'] for r in ran})} different recipes; "
+             f"tok_ratio compares across them. Against {ran[0]['config']} ({base['fingerprint']}):"]
+    for r in ran[1:]:
+        if r["recipe"]["fingerprint"] != base["fingerprint"]:
+            diff = between(r["recipe"]["differs"], base["differs"])
+            lines.append(f"- {r['config']} ({r['recipe']['fingerprint']}): " + describe(diff))
     return "\n".join(lines)
 
 

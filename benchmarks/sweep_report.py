@@ -23,7 +23,21 @@ import optuna
 from moe_vlm_sweep.sweep.study import open_storage
 from moe_vlm_sweep.tracking.mlflow_sink import default_uri, export_study_runs
 
-COLUMNS = ("rank", "trial", "mfu_%", "eff_tok/s/gpu", "step_ms", "cv_%", "mem_gib", "graphed", "config")
+COLUMNS = ("rank", "trial", "mfu_%", "eff_tok/s/gpu", "step_ms", "cv_%", "mem_gib", "graphed", "recipe", "config")
+
+
+def recipe_of(trial: optuna.trial.FrozenTrial) -> str:
+    """The trial's recipe fingerprint (``config/recipe.py``); a trial recorded before fingerprints gets one
+    computed from its overrides under today's config groups, marked ``*``."""
+    if "recipe" in trial.user_attrs:
+        return trial.user_attrs["recipe"]
+    from moe_vlm_sweep.config.compose import compose_run_config
+    from moe_vlm_sweep.config.recipe import fingerprint
+
+    try:
+        return fingerprint(compose_run_config(list(trial.user_attrs.get("overrides", [])))) + "*"
+    except ValueError:
+        return "?"
 
 
 def _study(outputs: Path, name: str | None) -> optuna.Study:
@@ -43,13 +57,17 @@ def table(study: optuna.Study, runs: list[dict], top: int) -> str:
     sign = -1 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1
     done.sort(key=lambda t: sign * t.values[0])
     lines = [" | ".join(COLUMNS), " | ".join("---" for _ in COLUMNS)]
-    for rank, trial in enumerate(done[:top], 1):
+    recipes = [recipe_of(t) for t in done[:top]]
+    for rank, (trial, recipe) in enumerate(zip(done[:top], recipes), 1):
         m = children[trial.number]["metrics"]
         config = " ".join(f"{k}={v}" for k, v in trial.params.items())
         lines.append(" | ".join([str(rank), f"#{trial.number}", f"{m['mfu'] * 100:.2f}",
                                  f"{m['effective_tokens_per_s_per_gpu']:.0f}", f"{m['step_time_s.median'] * 1e3:.1f}",
                                  f"{m['step_time_s.cv'] * 100:.1f}", f"{m['peak_memory_gib']:.1f}",
-                                 str(int(m.get("graphed_layers", 0))), config]))
+                                 str(int(m.get("graphed_layers", 0))), recipe, config]))
+    if len(set(recipes)) > 1:
+        lines.append(f"\nThese trials train {len(set(recipes))} different recipes (the recipe column; * computed from "
+                     "the trial's overrides): the ranking compares speed and what is trained at once.")
     return "\n".join(lines)
 
 

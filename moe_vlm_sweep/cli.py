@@ -5,6 +5,8 @@
     moe-vlm-sweep run -m sweep=SPACE [OVERRIDES]   Optuna sweep over conf/sweep/SPACE.yaml (MLflow-tracked)
     moe-vlm-sweep run -m KNOB=a,b ... Hydra grid sweep (basic sweeper)
     moe-vlm-sweep best [STUDY]        export the best trials of a sweep and print how to re-run them
+    moe-vlm-sweep verify [STUDY | OVERRIDES] [--against OVERRIDES] [--steps N]
+                                      train a candidate and its reference on the same batches, compare losses
     moe-vlm-sweep ui [--port N]       the MLflow UI of the sweeps (outputs/mlflow.db) on 127.0.0.1
 
 check and run take --config-dir DIR (or hydra.searchpath=[file:///DIR]): a folder of your own config group
@@ -80,13 +82,19 @@ def best(args: Sequence[str]) -> int:
     return best_main(args)
 
 
+def verify(args: Sequence[str]) -> int:
+    from moe_vlm_sweep.export.verify_command import main as verify_main
+
+    return verify_main(args)
+
+
 def ui(args: Sequence[str]) -> int:
     from moe_vlm_sweep.tracking.ui import main as ui_main
 
     return ui_main(args)
 
 
-COMMANDS = {"check": check, "run": run, "best": best, "ui": ui}
+COMMANDS = {"check": check, "run": run, "best": best, "verify": verify, "ui": ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -117,7 +117,8 @@ def test_a_job_the_scheduler_kills_fails_its_trial_and_the_sweep_goes_on(tmp_pat
 @pytest.mark.slow
 def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
     """launchers/sweep_workers.py with submitit's local executor: two array tasks, one study, no config twice."""
-    space = SPACE.replace("n_trials: 2", "n_trials: 4") + "  vision: [trainable, frozen]\n"  # 6 configs
+    space = (SPACE.replace("n_trials: 2", "n_trials: 4")  # 6 configs
+             + "  vision: [trainable, frozen]\nallow_recipe_changes: [vision]\n")
     conf = private_conf(tmp_path, {"tiny4": space})
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     proc = subprocess.run(_sweep_workers(storage, "--seed", "7", "--slurm", "timeout_min=30", "--folder",

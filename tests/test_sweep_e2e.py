@@ -28,6 +28,7 @@ fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps:
 params:
   batch.mbs: [1, 2, 4]
   vision: [trainable, frozen]
+allow_recipe_changes: [vision]
 """
 
 
@@ -267,7 +268,8 @@ def test_a_sweep_over_mixed_data_realism_stops_clearly(tmp_path):
 def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
     """sweep.confirm=N: the top trials really re-train N times each; the exported best is the one that held."""
     conf = private_conf(tmp_path, {"small": SMALL_SPACE})
-    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.top_k=2"], cwd=tmp_path, conf=conf).stdout
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.top_k=2", "sweep.verify_steps=3"], cwd=tmp_path,
+              conf=conf).stdout
     study = only_study(tmp_path)
     confirmation = json.loads((tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json")
                               .read_text())
@@ -281,6 +283,14 @@ def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
     assert f"# Trial #{winner} of study" in experiment and "after confirmation re-runs" in experiment
     parent = next(r for r in mlflow_runs(tmp_path) if r.data.tags.get("moe_vlm_sweep.role") == "parent")
     assert parent.data.tags["moe_vlm_sweep.confirmed_trial"] == str(winner)
+    # the winner trained against trial #0 on the same batches (or is trial #0); the verdict is in MLflow
+    verdict = parent.data.tags["moe_vlm_sweep.verify"]
+    assert verdict == ("baseline" if winner == 0 else "pass"), out[-3000:]
+    assert (verdict == "baseline") or "verify: PASS" in out
+    trials = {t.number: t for t in study.get_trials()}
+    tagged = {n: r.data.tags["moe_vlm_sweep.recipe"] for n, r in children_by_trial(mlflow_runs(tmp_path)).items()
+              if "moe_vlm_sweep.recipe" in r.data.tags}  # launched trials: the fingerprint of what they trained
+    assert tagged and all(fingerprint == trials[n].user_attrs["recipe"] for n, fingerprint in tagged.items())
 
 
 @pytest.mark.slow
@@ -308,14 +318,16 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     assert len(only_study(tmp_path).get_trials()) == len(study.get_trials())  # no trial started
     first = [t for t in study.get_trials() if "fixed_params" in t.system_attrs and "proposed_as" not in t.user_attrs]
     assert len(first) == 1  # first_trials are queued once, not per resume (a repeat's neighbor is queued too)
-    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1"], cwd=tmp_path, conf=conf).stdout
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.verify=false"], cwd=tmp_path, conf=conf).stdout
     assert "confirm: re-running the top 3 trial(s) 1 time(s) each" in out and (best / "confirm.json").exists()
     winner = yaml.safe_load((best / "top.yaml").read_text())[0]
     assert winner["confirmed"], winner
     reruns = sorted((best.parent / "confirm" / "runs").iterdir())
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
               conf=conf).stdout  # every re-run finished before: reused, however short the budget
-    assert out.count("(finished by an earlier confirmation)") == 3 and "<- holds" in out, out[-2000:]
+    # the candidates are the top trials of trial #0's recipe (vision frozen): up to 3, as many as it has
+    candidates = len(json.loads((best / "confirm.json").read_text())["candidates"])
+    assert out.count("(finished by an earlier confirmation)") == candidates and "<- holds" in out, out[-2000:]
     assert sorted((best.parent / "confirm" / "runs").iterdir()) == reruns
     shutil.rmtree(best.parent / "confirm")
     out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,

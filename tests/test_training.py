@@ -23,6 +23,7 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert _fields(ms.StepTimes) <= set(metrics["step_time_s"])
     assert len(metrics["step_time_s"]["steps"]) == 4
     assert metrics["data_realism"] == "synthetic_images"
+    assert metrics["recipe"] == read_json(run_dir / "plan.json")["recipe"]["fingerprint"]  # what it trained
     assert metrics["mfu"] > 0 and metrics["peak_source"] == "measured_matmul"
     assert metrics["peak_memory_gib"] > 0
     wall = metrics["wall_s"]

@@ -13,6 +13,7 @@ validation, no MLflow, the task's return value is the objective.
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -30,7 +31,7 @@ from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.sweep import ledger, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.space import Space, fixed_overrides
-from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
+from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, SweepSpecError, load_spec
 from moe_vlm_sweep.sweep.study import exploring, neighbor_of_best, open_study, storage_url, study_name
 from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_refused_submission, is_run_config,
                                        outcome_of_lost_job, outcome_of_result, outcome_of_value, plan_trial,
@@ -123,7 +124,7 @@ class SweeperImpl(Sweeper):
             failure_class = "interrupted"
         else:
             failure_class = trial.user_attrs.get("failure_class", {TrialState.COMPLETE: "ok"}.get(trial.state, "crash"))
-        tags = {f"moe_vlm_sweep.{k}": trial.user_attrs[k] for k in ("reason", "data_realism", "hardware")
+        tags = {f"moe_vlm_sweep.{k}": trial.user_attrs[k] for k in ("reason", "data_realism", "hardware", "recipe")
                 if k in trial.user_attrs}
         return failure_class, {"sampled": trial.params, "overrides": trial.user_attrs.get("overrides", [])}, tags
 
@@ -150,9 +151,13 @@ class SweeperImpl(Sweeper):
         if owner is not None:
             # Told as failed, not pruned: the config is not bad, and TPE must not learn that it is (it ignores fails).
             return Outcome(state="fail", failure_class="duplicate", reason=f"same config as trial #{owner}")
+        if plan is not None and plan.recipe:
+            trial.set_user_attr("recipe", plan.recipe["fingerprint"])
+            trial.set_user_attr("recipe_differs", plan.recipe["differs"])
         if self.tracker is not None:
             tags = {"moe_vlm_sweep.data_realism": plan.run_config.data.realism,
-                    "moe_vlm_sweep.hardware": plan.run_config.hardware.name}
+                    "moe_vlm_sweep.hardware": plan.run_config.hardware.name,
+                    "moe_vlm_sweep.recipe": plan.recipe["fingerprint"]}
             run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags)
             trial.set_user_attr("mlflow_run_id", run_id)
         with ledger.Heartbeat(trial, spec.resume.heartbeat_s):
@@ -207,14 +212,31 @@ class SweeperImpl(Sweeper):
 
     # --- the loop -----------------------------------------------------------------------------------------
 
+    def _parse(self, spec: SweepConf, base: List[str]) -> tuple[Space, list]:
+        """The space and first trials, checked; a space that varies the recipe without its opt-in exits 2."""
+        space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
+        first = [space.point(values, f"sweep.first_trials[{i}]") for i, values in enumerate(spec.first_trials)]
+        if self.project:
+            from moe_vlm_sweep.config.compose import CONF_DIR
+            from moe_vlm_sweep.sweep.recipe import check_recipe
+
+            try:
+                allowed = check_recipe(space, spec.allow_recipe_changes, CONF_DIR)
+            except SweepSpecError as exc:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+            for key, fields in allowed.items():
+                print(f"sweep: sweep.params.{key} may change the recipe ({', '.join(fields)}; allowed by "
+                      "sweep.allow_recipe_changes): each recipe is ranked separately", flush=True)
+        return space, first
+
     def sweep(self, arguments: List[str]) -> Any:
         spec = load_spec(self.config.get("sweep"))
         self.budget = TimeBudget(spec.time_budget_s)
         base = self.job_overrides(spec, list(arguments))
         if self.project and slurm.is_submitit(self.config.hydra.launcher):
             self._check_slurm_job(base)
-        space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
-        first = [space.point(values, f"sweep.first_trials[{i}]") for i, values in enumerate(spec.first_trials)]
+        space, first = self._parse(spec, base)
         choices = self.config.hydra.runtime.choices
         name = study_name(choices.get("sweep") or "sweep", spec, run_overrides(base))
         sweep_dir = self._sweep_dir(name)
@@ -306,7 +328,43 @@ class SweeperImpl(Sweeper):
         if self.tracker is not None:
             self.tracker.log_sweep(params={}, tags={"moe_vlm_sweep.confirmed_trial":
                                                     winner.trial.number if winner else "none"})
+        if winner and spec.verify:
+            self._verify(study, spec, sweep_dir, winner.trial, plan)
         return winner.trial if winner else False
+
+    def _verify(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, winner: optuna.trial.FrozenTrial,
+                plan: Any) -> None:
+        """The confirmed winner against the study's first trial, same seeds and batches (``export/verify.py``):
+        printed, written to ``<sweep_dir>/verify/verify.json`` and tagged on the MLflow parent run."""
+        from moe_vlm_sweep.export.verify import VerifyError, verify
+
+        first = min((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("overrides")),
+                    key=lambda t: t.number)
+        if first.number == winner.number:
+            verdict_tags = {"moe_vlm_sweep.verify": "baseline"}
+            print(f"verify: the winner is the study's first trial #{first.number}: nothing to compare", flush=True)
+        elif not self.budget.allows(3 * self.budget.slowest):
+            verdict_tags = {"moe_vlm_sweep.verify": "postponed"}
+            print(f"verify: postponed: {self.budget.why_not('its three runs', 3 * self.budget.slowest, 'three trials')}"
+                  f"; run it later: moe-vlm-sweep verify {study.study_name}", flush=True)
+        else:
+            print(f"verify: trial #{winner.number} against the study's first trial #{first.number} "
+                  f"({spec.verify_steps} steps each; sweep.verify=false skips)", flush=True)
+            try:
+                verdict = verify(winner.user_attrs["overrides"], first.user_attrs["overrides"],
+                                 steps=spec.verify_steps, out_dir=sweep_dir / "verify", plan=plan,
+                                 progress=lambda line: print(line, flush=True))
+            except VerifyError as exc:
+                print(f"verify: ERROR: {exc}", flush=True)
+                verdict_tags = {"moe_vlm_sweep.verify": "error"}
+            else:
+                print(verdict.summary(), flush=True)
+                verdict_tags = {"moe_vlm_sweep.verify": verdict.status,
+                                "moe_vlm_sweep.verify_max_loss_deviation": verdict.max_deviation,
+                                "moe_vlm_sweep.verify_max_deviation_step": verdict.max_deviation_step,
+                                "moe_vlm_sweep.verify_trials": f"#{winner.number} vs #{first.number}"}
+        if self.tracker is not None:
+            self.tracker.log_sweep(params={}, tags={k: v for k, v in verdict_tags.items() if v is not None})
 
     @staticmethod
     def _best(study: optuna.Study) -> Optional[optuna.trial.FrozenTrial]:
@@ -326,6 +384,11 @@ class SweeperImpl(Sweeper):
         top = ranked(study)[:spec.top_k]
         realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         print(progress.table(top, spec.objective.metrics, realism=realism), flush=True)
+        from moe_vlm_sweep.export.recipes import chosen, note
+
+        mixed = note(study, chosen(study))
+        if mixed:
+            print(mixed, flush=True)
         if self.project and top:
             from moe_vlm_sweep.config.compose import exports_dir
 

@@ -22,7 +22,7 @@ def make_source(model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_r
                                   dp_size=dp_size)
     else:
         cls = {"synthetic_images": SyntheticImages, "mock_text": MockText}[data.name]
-        source = cls(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank)
+        source = cls(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     if data.realism != source.realism:
         raise ConfigFieldError(f"data.realism={data.realism!r} must be {source.realism!r} for "
                                f"data.name={data.name!r}: a run's realism is its source's, never relabelled")

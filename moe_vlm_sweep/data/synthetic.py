@@ -2,8 +2,10 @@
 
 Each sample is ``[<image> x images_per_sample, caption..., pad...]`` of ``model.text_tokens`` ids. The caption's
 real length is drawn per sample, so padding is real and the real-token count differs from the padded one.
-Everything is drawn from a generator seeded by (data.seed, step, data-parallel rank, micro-batch), so every rank
-of a tensor/pipeline group sees the same micro-batch without any broadcast.
+Each sample is drawn from its own generator, seeded by (data.seed, step, the sample's index in the global batch),
+so every rank of a tensor/pipeline group sees the same micro-batch without any broadcast, and a step's global
+batch is the same samples under any layout (dp, mbs): ``moe-vlm-sweep verify`` compares two layouts' loss curves
+on the same batches.
 """
 
 from __future__ import annotations
@@ -21,26 +23,35 @@ class SyntheticRows:
     part of ``synthetic_images`` and ``mock_text``. ``fixed_batch`` makes every step see step 0's batch."""
 
     def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
-                 images_per_sample: int, row_length: int):
+                 dp_size: int = 1, images_per_sample: int, row_length: int):
         if row_length < images_per_sample + MIN_TEXT_IDS:
             raise ValueError(f"model.text_tokens={row_length} must leave room for model.images_per_sample="
                              f"{images_per_sample} placeholders and {MIN_TEXT_IDS} caption ids")
         self.model, self.data = model, data
-        self.mbs, self.dp_rank = micro_batch_size, dp_rank
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.images_per_sample, self.row_length = images_per_sample, row_length
+
+    def sample_index(self, index: int, row: int) -> int:
+        """Global index of row ``row`` of micro-batch ``index`` on this DP rank, as Megatron's pretraining sampler
+        deals a global batch: each micro-batch round takes ``mbs * dp`` consecutive samples, rank r the r-th
+        ``mbs`` of them."""
+        return (index * self.dp_size + self.dp_rank) * self.mbs + row
 
     def microbatch(self, step: int, index: int) -> MicroBatch:
         step = 0 if self.data.fixed_batch else step
-        gen = torch.Generator().manual_seed(hash((self.data.seed, step, self.dp_rank, index)) % (2**63))
         n_img, size = self.images_per_sample, self.model.vision.image_size
-        images = torch.rand(self.mbs * n_img, 3, size, size, generator=gen)
         room = self.row_length - n_img
-        fractions = torch.empty(self.mbs).uniform_(self.data.min_text_fraction, 1.0, generator=gen)
-        filled = (fractions * self.row_length).round().long().clamp(min=n_img + MIN_TEXT_IDS, max=self.row_length)
-        lengths = filled - n_img
-        ids = torch.randint(FIRST_TEXT_ID, self.model.decoder.vocab_size, (self.mbs, room), generator=gen)
-        return layout(images, [row[:n] for row, n in zip(ids, lengths)], images_per_sample=n_img,
-                      row_length=self.row_length, image_tokens=self.model.image_tokens)
+        images, texts = [], []
+        for row in range(self.mbs):
+            key = (self.data.seed, step, self.sample_index(index, row))
+            gen = torch.Generator().manual_seed(hash(key) % (2**63))
+            images.append(torch.rand(n_img, 3, size, size, generator=gen))
+            fraction = float(torch.empty(1).uniform_(self.data.min_text_fraction, 1.0, generator=gen))
+            filled = min(max(round(fraction * self.row_length), n_img + MIN_TEXT_IDS), self.row_length)
+            ids = torch.randint(FIRST_TEXT_ID, self.model.decoder.vocab_size, (room,), generator=gen)
+            texts.append(ids[:filled - n_img])
+        return layout(torch.cat(images), texts, images_per_sample=n_img, row_length=self.row_length,
+                      image_tokens=self.model.image_tokens)
 
     def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:
         return [self.microbatch(step, i) for i in range(num_microbatches)]
@@ -51,7 +62,8 @@ class SyntheticImages(SyntheticRows):
 
     realism = "synthetic_images"
 
-    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0):
+    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
+                 dp_size: int = 1):
         images, row = row_layout(model, data)
-        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, images_per_sample=images,
-                         row_length=row)
+        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                         images_per_sample=images, row_length=row)

@@ -5,7 +5,8 @@ ones, what ``plan.overrides`` held). The export turns them into three equivalent
 experiment config (``<outputs>/conf/experiment/<name>.yaml``, on every composition's search path;
 ``# @package _global_``, group choices as ``override /group: option`` and field values as YAML), and the command
 line. Nothing is written into the package. Results of different data realism
-are never ranked together: a study holding more than one refuses, naming the counts.
+are never ranked together: a study holding more than one refuses, naming the counts. Nor are trials of different
+recipes (``export/recipes.py``): one recipe is ranked, the baseline's unless another is named.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from optuna.trial import FrozenTrial, TrialState
 
 from moe_vlm_sweep.config.compose import CONF_DIR
+from moe_vlm_sweep.export import recipes
 from moe_vlm_sweep.launch.run_dir import rerun_command, write_atomic
 
 
@@ -53,11 +55,13 @@ def realism_of(trials: Sequence[FrozenTrial]) -> Optional[str]:
     return next(iter(counts), None)
 
 
-def ranked(study: optuna.Study) -> list[FrozenTrial]:
-    """Completed trials best first; with two objectives, the Pareto front ordered by the first objective."""
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+def ranked(study: optuna.Study, recipe: Optional[str] = None) -> list[FrozenTrial]:
+    """Completed trials of one recipe (``recipe``, else the baseline's: ``export/recipes.py``) best first; with
+    two objectives, their Pareto front ordered by the first objective."""
+    complete = recipes.keep(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)),
+                            recipes.chosen(study, recipe))
     if len(study.directions) > 1:
-        complete = study.best_trials if complete else []
+        complete = recipes.pareto(complete, study) if complete else []
     sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
     return sorted(complete, key=lambda t: (sign * t.values[0], t.number))
 
@@ -84,7 +88,7 @@ def experiment_yaml(overrides: Sequence[str], conf_dir: Path = CONF_DIR, *, head
 
 
 def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
-           confirmed: Optional[FrozenTrial] = None) -> list[Exported]:
+           confirmed: Optional[FrozenTrial] = None, recipe: Optional[str] = None) -> list[Exported]:
     """Write the top ``top_k`` trials (experiment configs, override files, commands); return them.
 
     ``conf_dir``: the config root the experiments go into (``config.compose.exports_dir`` of the outputs
@@ -93,7 +97,7 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
     ``<study>_best``, ``overrides.yaml`` and ``command.sh`` replay it, and the others keep the study's order.
     """
     realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    top = ranked(study)
+    top = ranked(study, recipe)
     if confirmed is not None:
         if confirmed.number not in {t.number for t in top}:
             raise ExportError(f"trial #{confirmed.number} is not a ranked (completed) trial of {study.study_name}")
@@ -117,8 +121,8 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
         write_atomic(out / "command.sh", f"#!/bin/sh\n# Best trial #{best.trial.number} of {study.study_name}.\n"
                                          f"{best.command}\n# equivalently:\n# {rerun_command(best.overrides)}\n")
         summary = [{"rank": e.rank, "trial": e.trial.number, "values": list(e.trial.values),
-                    "data_realism": realism, "experiment": e.experiment, "command": e.command,
-                    "overrides": e.overrides, "run_dir": e.trial.user_attrs.get("run_dir"),
+                    "data_realism": realism, "recipe": e.trial.user_attrs.get("recipe"), "experiment": e.experiment,
+                    "command": e.command, "overrides": e.overrides, "run_dir": e.trial.user_attrs.get("run_dir"),
                     "confirmed": e.trial is confirmed} for e in exported]
         write_atomic(out / "top.yaml", yaml.safe_dump(summary, sort_keys=False))
     return exported

@@ -16,6 +16,7 @@ from typing import Sequence
 import optuna
 
 from moe_vlm_sweep.config.compose import exports_dir
+from moe_vlm_sweep.export import recipes
 from moe_vlm_sweep.export.best import ExportError, export, realism_of
 from moe_vlm_sweep.export.confirm import CONFIRM_FILE, confirm
 from moe_vlm_sweep.export.confirm import table as confirm_table
@@ -56,6 +57,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--time-budget-s", type=float, metavar="S",
                         help="with --confirm: start no re-run that would end after S seconds; exit 3 if any is "
                              "left (the same command resumes; default: no limit)")
+    parser.add_argument("--recipe", metavar="FINGERPRINT",
+                        help="rank the trials of this recipe (default: the baseline's, the study's first trial)")
     args = parser.parse_args(list(argv))
     if args.time_budget_s is not None and (not args.confirm or args.time_budget_s <= 0):
         print(f"error: --time-budget-s={args.time_budget_s:g} bounds --confirm re-runs: it needs --confirm N "
@@ -72,7 +75,8 @@ def main(argv: Sequence[str]) -> int:
                   f"{sweep_dir / 'confirm'}", flush=True)
             confirmation = confirm(study, sweep_dir=sweep_dir, top_k=args.top, repeats=args.confirm,
                                    progress=lambda line: print(line, flush=True),
-                                   budget=TimeBudget(args.time_budget_s, knob="--time-budget-s"))
+                                   budget=TimeBudget(args.time_budget_s, knob="--time-budget-s"),
+                                   recipe=args.recipe)
             if not confirmation.complete:
                 print(f"confirmation: stopped: {confirmation.stopped}", flush=True)
                 return 3
@@ -83,9 +87,10 @@ def main(argv: Sequence[str]) -> int:
                 print("error: no candidate held: each had a failed re-run; nothing exported", file=sys.stderr)
                 return 1
         exported = export(study, sweep_dir=sweep_dir, conf_dir=exports_dir(outputs), top_k=args.top,
-                          confirmed=held.trial if held else None)
+                          confirmed=held.trial if held else None, recipe=args.recipe)
         realism = realism_of([e.trial for e in exported])
-    except (ExportError, SweepSpecError, KeyError) as exc:
+        mixed = recipes.note(study, recipes.chosen(study, args.recipe), explicit=args.recipe is not None)
+    except (ExportError, SweepSpecError, KeyError, recipes.RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not exported:
@@ -93,6 +98,8 @@ def main(argv: Sequence[str]) -> int:
         return 1
     metrics = study.user_attrs.get("objective_metrics", [f"value{i}" for i in range(len(study.directions))])
     print(table([e.trial for e in exported], metrics, realism=realism))
+    if mixed:
+        print(mixed)
     how = (f", confirmed: median {held.median_values[0]:.4g} over {args.confirm} re-run(s)" if held else "")
     print(f"\nbest: trial #{exported[0].trial.number} (data realism {realism}{how})\n  {exported[0].command}\n"
           f"  files: {sweep_dir / 'best'}, {exports_dir(outputs) / 'experiment' / exported[0].experiment}.yaml")

@@ -195,20 +195,21 @@ def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> Opti
 def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
             progress: Optional[Callable[[str], None]] = None,
             plan: Callable[[list[str]], tuple[RunPlan, str]] = _plan,
-            budget: Optional[TimeBudget] = None) -> Confirmation:
+            budget: Optional[TimeBudget] = None, recipe: Optional[str] = None) -> Confirmation:
     """Re-run the top ``top_k`` trials ``repeats`` times each, write ``best/confirm.json``, return the record.
 
     Mixed data realism and a study without a known objective are refused before anything runs. ``progress``
     (e.g. ``print``) gets a line per repeat: a confirmation costs top_k * repeats runs. ``plan`` composes and
     validates a trial's overrides; the sweeper passes its own (Hydra is already initialized inside a sweep).
     Repeats an interrupted confirmation finished are reused; with a ``budget``, a repeat that would overrun it
-    stops the confirmation, incomplete (nothing written).
+    stops the confirmation, incomplete (nothing written). Candidates are of one recipe: ``recipe``, else the
+    baseline's (``export/recipes.py``).
     """
     if repeats < 1:
         raise ExportError(f"repeats={repeats}: confirmation needs at least one re-run per candidate")
     objective = objective_of(study)
     realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    candidates = [Candidate(rank=rank, trial=trial) for rank, trial in enumerate(ranked(study)[:top_k], 1)]
+    candidates = [Candidate(rank=rank, trial=trial) for rank, trial in enumerate(ranked(study, recipe)[:top_k], 1)]
     plans: dict[int, tuple[RunPlan, str]] = {}
     invalid: dict[int, str] = {}
     for candidate in candidates:

@@ -93,6 +93,8 @@ class Metrics:
     """``data.realism`` of the run; results of different realism are never ranked together."""
     hardware: str
     """``hardware.name``."""
+    recipe: Optional[str] = None
+    """The recipe fingerprint (plan.json's ``recipe``): runs of different recipes train different models."""
     device: str
     layout: dict[str, Any]
     """The resolved layout (RunPlan.layout) plus strategy, micro-batches and batch sizes."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from moe_vlm_sweep.config import recipe
 from moe_vlm_sweep.config.schema import RunConfig, from_dict, to_dict
 from moe_vlm_sweep.plan.layout import Layout, layout_of, sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
@@ -41,6 +42,9 @@ class RunPlan:
     fusions: dict[str, bool]
     predicted_peak_memory_gib: Optional[float] = None
     """GPU runs: the lower-bound peak memory of the most loaded rank (``plan/memory.py``); None on the CPU."""
+    recipe: Optional[dict[str, Any]] = None
+    """What the run trains (``config/recipe.py``): ``fingerprint``, a short hash of the recipe fields, and
+    ``differs``, the recipe fields that differ from the model's defaults."""
 
     @property
     def run_config(self) -> RunConfig:
@@ -100,6 +104,7 @@ def make_plan(cfg: RunConfig, overrides: list[str] | tuple[str, ...] = (), *, va
         transformer_impl=cfg.train.resolved_transformer_impl(cfg.hardware.device),
         fusions=cfg.fusions.resolved(on_gpu=on_gpu),
         predicted_peak_memory_gib=round(estimate(cfg).total_gib, 2) if on_gpu else None,
+        recipe=recipe.summary(cfg),
     )
 
 
@@ -135,6 +140,8 @@ def describe(plan: RunPlan) -> str:
         ("vision", cfg.vision.name),
         ("fusions", ", ".join(k for k, v in plan.fusions.items() if v) or "none"),
         ("data", f"{cfg.data.name} (realism {cfg.data.realism})"),
+        *([("recipe", f"{plan.recipe['fingerprint']} (differs from model={cfg.model.name}'s defaults: "
+                      f"{recipe.describe(plan.recipe['differs'])})")] if plan.recipe else []),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -101,6 +101,16 @@ class SweepConf:
     no trial, and no confirmation, that its slowest trial so far says would overrun them, and stops cleanly;
     the same command resumes. None: no limit."""
     resume: ResumeConf = field(default_factory=ResumeConf)
+    allow_recipe_changes: list[str] = field(default_factory=list)
+    """Params (or recipe fields, or their groups) the search may vary although they change what is trained
+    (``vision``, ``batch.gbs``, ``cuda_graph`` for scopes that drop tokens): without them a space that varies
+    a recipe field fails at start (``sweep/recipe.py``), and with them each recipe is ranked separately. Not
+    part of the study's name: it permits trials, it does not change them."""
+    verify: bool = True
+    """After a confirmation, ``moe-vlm-sweep verify`` trains the winner and the study's first trial on the same
+    batches and compares their loss curves (``export/verify.py``); false skips it."""
+    verify_steps: int = 30
+    """Steps of each of verify's three runs (the reference, its re-split twin, the winner)."""
 
     def __post_init__(self) -> None:
         if self.n_trials < 1:
@@ -113,6 +123,8 @@ class SweepConf:
             raise SweepSpecError(f"sweep.top_k={self.top_k} must be >= 1")
         if self.confirm < 0:
             raise SweepSpecError(f"sweep.confirm={self.confirm} must be >= 0")
+        if self.verify_steps < 2:
+            raise SweepSpecError(f"sweep.verify_steps={self.verify_steps} must be >= 2")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise SweepSpecError(f"sweep.time_budget_s={self.time_budget_s} must be > 0 (or null: no limit)")
         self.fixed = {} if self.fixed is None else self.fixed

@@ -200,6 +200,7 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
     padded, real = measured.padded_tokens, measured.real_tokens
     return Metrics(
         data_realism=cfg.data.realism, hardware=cfg.hardware.name, device=plan.device, layout=layout,
+        recipe=(plan.recipe or {}).get("fingerprint"),
         step_time_s=StepTimes(median=median, p10=_quantile(times, 0.1), p90=_quantile(times, 0.9), mean=mean,
                               cv=statistics.pstdev(times) / mean if mean else 0.0, steps=times),
         tokens_per_s=padded / median, tokens_per_s_per_gpu=padded / median / world,
