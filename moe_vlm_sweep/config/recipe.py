@@ -49,7 +49,8 @@ KNOBS: dict[str, Knob] = {
                                          "moe_layer_freq", "moe_aux_loss_coeff", "vocab_size", "rotary_base",
                                          "normalization")},
     # parallel layout
-    **{f"parallel.{f}": P for f in ("strategy", "tp", "pp", "vpp", "cp", "ep", "etp", "sp", "fsdp_sharding")},
+    **{f"parallel.{f}": P for f in ("strategy", "tp", "pp", "vpp", "cp", "ep", "etp", "sp", "fsdp_sharding",
+                                    "overlap_grad_reduce", "overlap_param_gather")},
     # the global batch is the optimizer's; its split into micro-batches is not
     "batch.mbs": P, "batch.gbs": R,
     "recompute.granularity": P, "recompute.modules": P, "recompute.method": P, "recompute.num_layers": P,
@@ -59,7 +60,8 @@ KNOBS: dict[str, Knob] = {
     "dispatcher.capacity_factor": R, "dispatcher.pad_to_capacity": R,
     "vision.name": R, "vision.freeze_encoder": R, "vision.freeze_projector": R,
     **{f"fusions.{f}": P for f in ("name", "bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy",
-                                   "gradient_accumulation", "bias_activation", "moe_router")},
+                                   "gradient_accumulation", "bias_activation", "moe_router",
+                                   "linear_cross_entropy")},  # the same loss, chunked: tests hold it to megatron's
     # packing runs the same samples without padding; the source, its realism and its seed are the data
     "data.name": R, "data.realism": R, "data.min_text_fraction": R, "data.fixed_batch": R, "data.packing": P,
     "data.seed": R, "data.shards": R,
