@@ -137,3 +137,14 @@ def test_a_killed_launcher_leaves_neither_host_nor_trial(tmp_path):
     finally:
         for process in processes_under(tmp_path, WORKER):
             process.kill()
+
+
+def test_a_host_that_cannot_start_is_not_tried_again(tmp_path):
+    """A host that fails to start (here it exits at once) costs one try; the runs then start fresh workers."""
+    command = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(warm_host.HostGone, match="did not start"):
+        warm_host.shared_host(command, dict(os.environ), tmp_path / "host.log")
+    began = time.monotonic()
+    with pytest.raises(warm_host.HostGone, match="did not start"):
+        warm_host.shared_host(command, dict(os.environ), tmp_path / "host.log")
+    assert time.monotonic() - began < 0.5

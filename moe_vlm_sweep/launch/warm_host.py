@@ -193,7 +193,10 @@ class WarmHost:
                                          env=env, start_new_session=True)
         self._buffer = b""
         self.lock = threading.Lock()
-        ready = self._next(READY_TIMEOUT_S)
+        try:
+            ready = self._next(READY_TIMEOUT_S)
+        except HostGone as exc:
+            ready = {"exited": str(exc)}
         if ready is None or not ready.get("ready"):
             self.close()
             raise HostGone(f"the warm trial host did not start ({ready}); see {log_path}")
@@ -262,14 +265,23 @@ class WarmHost:
 
 
 _hosts: dict[tuple, WarmHost] = {}
+_refused: dict[tuple, str] = {}
+"""Hosts that could not start (a CUDA context after the imports, say): not tried again by this process, so a
+sweep pays for the failed start once and then runs fresh workers."""
 
 
 def shared_host(command: list[str], env: dict[str, str], log_path: Path) -> WarmHost:
     """This process's host for ``command`` (started on first use, restarted if it died), closed at exit."""
     key = tuple(command)
+    if key in _refused:
+        raise HostGone(_refused[key])
     host = _hosts.get(key)
     if host is None or not host.alive:
-        host = _hosts[key] = WarmHost(command, env, log_path)
+        try:
+            host = _hosts[key] = WarmHost(command, env, log_path)
+        except HostGone as exc:
+            _refused[key] = str(exc)
+            raise
         if len(_hosts) == 1:
             atexit.register(close_hosts)
     return host
