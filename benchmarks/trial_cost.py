@@ -118,10 +118,15 @@ def table(rows: list[dict], summary: dict) -> str:
     lines.append("")
     for mode in MODES:
         s = summary[mode]
+        def fmt(value, scale=1.0, digits=1):
+            return "-" if value is None else f"{scale * value:.{digits}f}"
+
         lines.append(f"{mode}: {s['ok']}/{s['trials']} ok, {s['total_wall_s']:.1f} s in all, "
-                     f"{s['trials_per_hour']:.0f} trials/hour, median wall {s['median_wall_s']:.1f} s, median timed "
-                     f"share {100 * s['median_timed_share']:.1f}%, imports after the first trial <= "
-                     f"{s['max_imports_after_first_s']:.2f} s")
+                     f"{fmt(s['trials_per_hour'], digits=0)} trials/hour, median wall {fmt(s['median_wall_s'])} s, "
+                     f"median timed share {fmt(s['median_timed_share'], 100)}%, imports after the first trial <= "
+                     f"{fmt(s['max_imports_after_first_s'], digits=2)} s")
+    if summary.get("host_refused"):
+        lines.append(f"NO WARM HOST: {summary['host_refused']}")
     if "warm_over_fresh_trials_per_hour" in summary:
         lines.append(f"warm / fresh trials per hour: {summary['warm_over_fresh_trials_per_hour']:.2f}x")
     return "\n".join(lines)
@@ -149,7 +154,8 @@ def main() -> int:
                 print(f"{name} {mode}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
     host_imports = next((h.imports_s for h in warm_host._hosts.values()), None)
     warm_host.close_hosts()
-    summary = summarize(rows) | {"host_imports_s": host_imports}
+    # A host that could not start (a CUDA context after its imports, say) leaves the warm trials fresh: say so.
+    summary = summarize(rows) | {"host_imports_s": host_imports, "host_refused": list(warm_host._refused.values())}
     text = table(rows, summary)
     Path(args.out).write_text(json.dumps({
         "question": "Where does a trial's wall go, fresh interpreter per trial against a warm trial host?",
