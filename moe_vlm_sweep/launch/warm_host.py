@@ -32,7 +32,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -183,7 +182,8 @@ class HostGone(RuntimeError):
 
 
 class WarmHost:
-    """One host process, one trial at a time (the sweeper runs one trial at a time per process)."""
+    """One host process, one trial at a time (the sweeper runs one trial at a time per process; its pipe is not
+    shared between threads)."""
 
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +192,6 @@ class WarmHost:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=host_log,
                                          env=env, start_new_session=True)
         self._buffer = b""
-        self.lock = threading.Lock()
         try:
             ready = self._next(READY_TIMEOUT_S)
         except HostGone as exc:
