@@ -99,25 +99,27 @@ params:
 
 @pytest.mark.slow
 def test_injected_failures_are_classified_and_the_sweep_goes_on(tmp_path):
-    """Real failures: vocab_size=1 crashes the data sampler, a 2 s timeout is shorter than worker start-up,
-    lr=1e30 makes the loss NaN. Queued in the study, so each runs exactly once, then a healthy trial."""
+    """Real failures: vocab_size=1 crashes the data sampler, 100000 steps run past a 2 s timeout, lr=1e30 makes
+    the loss NaN. Queued in the study, so each runs exactly once, then a healthy trial."""
     space = HEADER + """
 n_trials: 4
 sampler: random
 objective: {metric: effective_tokens_per_s_per_gpu}
-fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
+fixed: {model: tiny, train.warmup_steps: 1, train.profile_steps: 0}
 params:
   model.decoder.vocab_size: [512, 1]
   train.timeout_s: [300.0, 2.0]
   train.lr: [0.001, 1.0e+30]
+  train.steps: [2, 100000]
 """
     conf = private_conf(tmp_path, {"failing": space})
     storage = f"sqlite:///{tmp_path / 'failing.db'}"
     study = optuna.create_study(study_name="failing", storage=storage, direction="maximize")
-    cases = {"crash": (1, 300.0, 0.001), "timeout": (512, 2.0, 0.001), "nan": (512, 300.0, 1e30),
-             "ok": (512, 300.0, 0.001)}
-    for vocab, timeout_s, lr in cases.values():
-        study.enqueue_trial({"model.decoder.vocab_size": vocab, "train.timeout_s": timeout_s, "train.lr": lr})
+    cases = {"crash": (1, 300.0, 0.001, 2), "timeout": (512, 2.0, 0.001, 100000), "nan": (512, 300.0, 1e30, 2),
+             "ok": (512, 300.0, 0.001, 2)}
+    for vocab, timeout_s, lr, steps in cases.values():
+        study.enqueue_trial({"model.decoder.vocab_size": vocab, "train.timeout_s": timeout_s, "train.lr": lr,
+                             "train.steps": steps})
     out = cli(["run", "-m", "sweep=failing", f"sweep.storage={storage}", "sweep.study_name=failing"],
               cwd=tmp_path, conf=conf).stdout
     trials = optuna.load_study(study_name="failing", storage=storage).get_trials()

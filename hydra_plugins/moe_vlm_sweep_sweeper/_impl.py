@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.launch import slurm
-from moe_vlm_sweep.sweep import ledger, progress
+from moe_vlm_sweep.sweep import early_stop, ledger, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.space import Space, fixed_overrides
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, SweepSpecError, load_spec
@@ -160,7 +160,8 @@ class SweeperImpl(Sweeper):
                     "moe_vlm_sweep.recipe": plan.recipe["fingerprint"]}
             run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags)
             trial.set_user_attr("mlflow_run_id", run_id)
-        with ledger.Heartbeat(trial, spec.resume.heartbeat_s):
+        watch = early_stop.EarlyStop.for_trial(study, trial, spec) if self.project else None
+        with ledger.Heartbeat(trial, spec.resume.heartbeat_s), early_stop.watching(watch):
             try:
                 job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
             except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job; the study must not

@@ -261,7 +261,13 @@ class VisionTrainingConf:
 class FusionsConf:
     """megatron-core's kernel fusions; None means on for GPU hardware, off on the CPU (they need CUDA).
 
-    Three exceptions, where None means off. ``gradient_accumulation``: megatron's version needs APEX's
+    Five exceptions, where None means off. ``bias_dropout`` and ``cross_entropy``: megatron-core builds them with
+    ``torch.compile`` (``megatron.core.jit.jit_fuser``), which compiles in every new process, so in every trial:
+    on an H100 (3D, MBS 32) the first warm-up step took 44 s with ``fusions=on`` and empty compile caches, 19 s
+    with the previous run's caches, 2.2 s with ``fusions=off``, at step times within the runs' noise; and the fused
+    loss holds an fp32 copy of the logits (``plan/memory.py``). The other fusions are Transformer Engine kernels,
+    built with TE, that cost nothing to start. ``benchmarks/trial_cost.py``'s GPU preset measures the compiled
+    pair on against this default in one invocation. ``gradient_accumulation``: megatron's version needs APEX's
     ``fused_weight_gradient_mlp_cuda`` extension, which TE-only installs lack; set it true where APEX is built
     (the worker's preflight checks). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
@@ -288,7 +294,8 @@ class FusionsConf:
 
     FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation",
               "bias_activation", "moe_router", "linear_cross_entropy")
-    OFF_UNLESS_SET = ("gradient_accumulation", "bias_activation", "moe_router", "linear_cross_entropy")
+    OFF_UNLESS_SET = ("bias_dropout", "cross_entropy", "gradient_accumulation", "bias_activation", "moe_router",
+                      "linear_cross_entropy")
     GPU_ONLY = tuple(name for name in FIELDS if name != "linear_cross_entropy")  # plain torch: runs on the CPU
 
     def resolved(self, *, on_gpu: bool) -> dict[str, bool]:

@@ -5,25 +5,39 @@ exit status only when the worker could not write: a signal is a ``crash``, a run
 ``timeout``. The worker runs in its own process group (``setsid``), so a timeout kills the whole group (torchrun and every
 rank), never leaving an orphan holding a GPU; if this process itself is killed, the ranks see it gone and exit
 (``launch/lifeline.py``).
+
+``warm=True`` (a sweep's trials) forks the worker from a warm trial host (``launch/warm_host.py``) instead of
+starting a fresh interpreter: the same isolation, timeout, classification and lifeline, without paying the
+imports again. Every run gets the shared compile caches (``launch/compile_cache.py``).
+
+``watch`` (a sweep's early stop) is called about once a second with the run directory while the worker runs; a
+reason it returns ends the run's process group, and the run is ``pruned`` with that reason.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional, Protocol
 
+from moe_vlm_sweep.launch import warm_host
+from moe_vlm_sweep.launch.compile_cache import cache_env
 from moe_vlm_sweep.launch.lifeline import LAUNCHER_ENV, launcher_identity
 from moe_vlm_sweep.launch.result import STATUSES, RunResult
 from moe_vlm_sweep.launch.run_dir import WORKER_LOG
 from moe_vlm_sweep.plan.plan import RunPlan
 
 WORKER_MODULE = "moe_vlm_sweep.train.worker"
+SERVE_FLAG = "--serve"
+"""``python -m WORKER_MODULE --serve MODULE...``: the worker as a warm trial host (``launch/warm_host.py``)."""
 KILL_GRACE_S = 10.0
+WATCH_EVERY_S = 1.0
 ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """Where PyTorch's CUDA allocator reads its settings, in its order (``c10/cuda/CUDAAllocatorConfig.h``): the
 CUDA name, then the generic one (2.9+). The launcher sets both to one value, so neither shadows the config."""
@@ -49,18 +63,65 @@ def worker_command(plan: RunPlan, run_dir: Path) -> list[str]:
     return [*cmd, "-m", WORKER_MODULE, str(run_dir)]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the worker's whole process group; also reaps ranks a finished torchrun left behind."""
+class _Trial(Protocol):
+    pid: int
+    """The worker's (or torchrun's) pid: also its process group and session."""
+
+    def wait(self, timeout: Optional[float]) -> Optional[int]:
+        """The exit status (negative: the signal), or None if still running after ``timeout`` s."""
+
+
+class _FreshTrial:
+    """The worker in a new interpreter (``moe-vlm-sweep run``, several nodes, or where no host can start)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: Optional[float]) -> Optional[int]:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class _HostedTrial:
+    """The worker forked by a warm trial host; if the host dies, the trial's group is ended and it is a crash."""
+
+    def __init__(self, host: warm_host.WarmHost, run_dir: Path, env: dict[str, str], nproc: int):
+        self.host, self.gone, self.returncode = host, None, None
+        self.pid = host.start(argv=[WORKER_MODULE, str(run_dir)], env=env, log_path=run_dir / WORKER_LOG,
+                              nproc=nproc)
+
+    def wait(self, timeout: Optional[float]) -> Optional[int]:
+        if self.gone or self.returncode is not None:
+            return self.returncode  # as Popen.wait: the status once known, however often asked
+        try:
+            self.returncode = self.host.wait(self.pid, timeout)
+            return self.returncode
+        except warm_host.HostGone as exc:
+            self.gone = str(exc)
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return None
+
+
+def _kill_group(trial: _Trial) -> Optional[int]:
+    """End the worker's whole process session; also reaps ranks a finished torchrun left behind."""
+    returncode = None
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(trial.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        returncode = trial.wait(wait)
+        if returncode is not None or getattr(trial, "gone", None):
+            break
+    return returncode
 
 
 def _read_json(path: Path) -> dict | None:
@@ -70,8 +131,11 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: float) -> RunResult:
+def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: float,
+             stopped: Optional[str] = None, host_gone: Optional[str] = None) -> RunResult:
     metrics, failure = _read_json(run_dir / "metrics.json"), _read_json(run_dir / "failure.json")
+    if stopped is not None:
+        return RunResult(status="pruned", reason=stopped, returncode=returncode, failure=failure or {})
     if timed_out:
         return RunResult(status="timeout", reason=f"no result within train.timeout_s={timeout_s:g} s",
                          returncode=returncode, failure=failure or {})
@@ -82,7 +146,9 @@ def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: 
                          returncode=returncode, failure=failure)
     if returncode == 0 and metrics is not None:
         return RunResult(status="ok", returncode=0, metrics=metrics)
-    if returncode is not None and returncode < 0:
+    if host_gone is not None:
+        reason = host_gone
+    elif returncode is not None and returncode < 0:
         reason = f"worker killed by signal {signal.Signals(-returncode).name}"
     elif returncode == 0:
         reason = "worker exited 0 without writing metrics.json"
@@ -91,29 +157,63 @@ def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: 
     return RunResult(status="crash", reason=reason, returncode=returncode)
 
 
-def launch(plan: RunPlan, run_dir: Path) -> RunResult:
-    """Run the worker for ``plan`` in ``run_dir`` (prepared by ``run_dir.prepare``) and write result.json."""
-    timeout_s = plan.run_config.train.timeout_s
+def trial_env(plan: RunPlan) -> dict[str, str]:
+    """The worker's environment: the caller's, with the allocator settings, the compile caches and the lifeline."""
     inherited = next(filter(None, map(os.environ.get, ALLOC_CONF_ENVS)), None)
     alloc_conf = cuda_alloc_conf(inherited, plan.run_config.train.expandable_segments)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict.fromkeys(ALLOC_CONF_ENVS, alloc_conf)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict.fromkeys(ALLOC_CONF_ENVS, alloc_conf),
+           **cache_env(plan.run_config.outputs_dir, plan.run_config.hardware.name, os.environ)}
     if identity := launcher_identity():
         env[LAUNCHER_ENV] = identity
+    return env
+
+
+def host_preload(plan: RunPlan) -> list[str]:
+    """What a host imports beyond the worker's own modules: Transformer Engine where the plan uses it."""
+    return ["transformer_engine.pytorch"] if plan.transformer_impl == "transformer_engine" else []
+
+
+def _hosted(plan: RunPlan, run_dir: Path, env: dict[str, str]) -> Optional[_HostedTrial]:
+    """The run forked by this process's warm host, or None where it cannot be (several nodes, a host that fails
+    to start or to fork: the run then starts fresh, so a broken host costs time, never a trial)."""
+    launcher = plan.run_config.launcher
+    if launcher.nnodes != 1:
+        return None
+    nproc = 1 if launcher.name == "local" else launcher.nproc_per_node
+    command = [sys.executable, "-m", WORKER_MODULE, SERVE_FLAG, *host_preload(plan)]
+    host_env = {**env, **warm_host.CUDA_SAFE_ENV}
+    try:
+        host = warm_host.shared_host(command, host_env, Path(plan.run_config.outputs_dir) / warm_host.HOST_LOG)
+        return _HostedTrial(host, run_dir, env, nproc)
+    except warm_host.HostGone as exc:
+        logging.getLogger(__name__).warning("%s; this run starts a fresh worker", exc)
+        return None
+
+
+def launch(plan: RunPlan, run_dir: Path, *, warm: bool = False,
+           watch: Optional[Callable[[Path], Optional[str]]] = None) -> RunResult:
+    """Run the worker for ``plan`` in ``run_dir`` (prepared by ``run_dir.prepare``) and write result.json."""
+    timeout_s = plan.run_config.train.timeout_s
+    env = trial_env(plan)
     start = time.monotonic()
-    with open(run_dir / WORKER_LOG, "wb") as log:
-        proc = subprocess.Popen(worker_command(plan, run_dir), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except BaseException:
-            _kill_group(proc)
-            raise
-        finally:
-            _kill_group(proc)
-    result = classify(run_dir, proc.returncode, timed_out, timeout_s)
+    trial = _hosted(plan, run_dir, env) if warm else None
+    trial = trial or _FreshTrial(worker_command(plan, run_dir), env, run_dir / WORKER_LOG)
+    returncode, timed_out, stopped = None, False, None
+    try:
+        while True:
+            left = timeout_s - (time.monotonic() - start)
+            if left <= 0:
+                timed_out = True
+                break
+            returncode = trial.wait(min(left, WATCH_EVERY_S) if watch else left)
+            if returncode is not None or getattr(trial, "gone", None):
+                break
+            if watch and (stopped := watch(run_dir)):
+                break
+    finally:
+        ended = _kill_group(trial)
+        returncode = returncode if returncode is not None else ended
+    result = classify(run_dir, returncode, timed_out, timeout_s, stopped, getattr(trial, "gone", None))
     result.run_dir, result.wall_s = str(run_dir), time.monotonic() - start
     result.write(run_dir)
     return result

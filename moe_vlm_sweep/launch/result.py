@@ -9,13 +9,13 @@ from typing import Any, Optional
 
 from moe_vlm_sweep.launch.run_dir import RESULT_FILE, write_json_atomic
 
-STATUSES = ("ok", "oom", "invalid", "crash", "timeout", "nan")
+STATUSES = ("ok", "oom", "invalid", "crash", "timeout", "nan", "pruned")
 
 
 @dataclass(kw_only=True)
 class RunResult:
     status: str
-    """``ok`` or a failure class: oom | invalid | crash | timeout | nan."""
+    """``ok``, a failure class (oom | invalid | crash | timeout | nan), or ``pruned`` (a sweep stopped it early)."""
     reason: str = ""
     run_dir: Optional[str] = None
     returncode: Optional[int] = None

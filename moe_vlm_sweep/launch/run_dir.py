@@ -1,7 +1,8 @@
 """The run directory: everything needed to read, trust and replay one run.
 
 Layout: ``config.yaml`` (resolved), ``overrides.yaml``, ``plan.json``, ``command.sh`` (the exact re-run command),
-``worker.log``, then ``metrics.json`` or ``failure.json`` from the worker and ``result.json`` from the launcher.
+``worker.log``, ``progress.jsonl`` (each measured step as it ends), then ``metrics.json`` or ``failure.json`` from
+the worker and ``result.json`` from the launcher.
 ``result.json`` is written last and atomically: a directory without it is an interrupted run, never a result.
 """
 
@@ -18,6 +19,8 @@ from typing import Any, Sequence
 from moe_vlm_sweep.plan.plan import RunPlan
 
 RESULT_FILE = "result.json"
+PROGRESS_FILE = "progress.jsonl"
+"""One JSON line per measured step as it ends (rank 0): what a sweep's early stop reads while the run goes on."""
 WORKER_LOG = "worker.log"
 
 

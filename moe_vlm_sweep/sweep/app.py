@@ -20,6 +20,7 @@ from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.launch.summary import summarize
+from moe_vlm_sweep.sweep import early_stop
 from moe_vlm_sweep.sweep.trial import INVALID_ERRORS, plan_trial
 
 
@@ -34,7 +35,8 @@ def task(cfg: DictConfig) -> RunResult:
         return RunResult(status="invalid", reason=str(exc))
     run_dir = new_run_dir(plan.run_config.outputs_dir, prefix=f"job{hydra_cfg.job.num}")
     prepare(run_dir, plan, resolved_yaml)
-    result = launch(plan, run_dir)
+    # Forked from this process's warm trial host (imports paid once); stopped early if the sweeper says so.
+    result = launch(plan, run_dir, warm=True, watch=early_stop.active())
     print(summarize(result), flush=True)
     return result
 

@@ -66,6 +66,24 @@ class ResumeConf:
 
 
 @dataclass(kw_only=True)
+class EarlyStopConf:
+    """Stop measuring a trial that is already clearly worse than the study's best (``sweep/early_stop.py``)."""
+
+    enabled: bool = True
+    min_steps: int = 3
+    """Measured steps a trial runs before it may be stopped: never on one noisy step."""
+    margin: float = 0.10
+    """Stopped when even its best measured step so far is worse than the best trial's value by more than this
+    fraction (a step's noise only slows it, so its best step is the trial's most favourable estimate)."""
+
+    def __post_init__(self) -> None:
+        if self.min_steps < 2:
+            raise SweepSpecError(f"sweep.early_stop.min_steps={self.min_steps} must be >= 2: one step is noise")
+        if not 0.0 < self.margin < 1.0:
+            raise SweepSpecError(f"sweep.early_stop.margin={self.margin} must be in (0, 1)")
+
+
+@dataclass(kw_only=True)
 class SweepConf:
     n_trials: int = 8
     """Finished trials the study should hold, counted across every run and worker of the sweep."""
@@ -111,6 +129,7 @@ class SweepConf:
     batches and compares their loss curves (``export/verify.py``); false skips it."""
     verify_steps: int = 30
     """Steps of each of verify's three runs (the reference, its re-split twin, the winner)."""
+    early_stop: EarlyStopConf = field(default_factory=EarlyStopConf)
 
     def __post_init__(self) -> None:
         if self.n_trials < 1:

@@ -78,7 +78,7 @@ class Outcome:
     state: str
     """complete | pruned (infeasible: the sampler learns to avoid it) | fail (the sampler ignores it)"""
     failure_class: str
-    """ok | invalid | oom | crash | timeout | nan | duplicate | interrupted"""
+    """ok | invalid | oom | crash | timeout | nan | pruned (stopped early) | duplicate | interrupted"""
     values: Optional[list[float]] = None
     reason: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -90,8 +90,10 @@ class Outcome:
 
 
 # OOM and invalid are properties of the config (the sampler should steer away); crash, timeout and NaN may be
-# the machine or the step count, so they are failures Optuna does not learn from.
-_STATE_OF = {"oom": "pruned", "invalid": "pruned", "crash": "fail", "timeout": "fail", "nan": "fail"}
+# the machine or the step count, so they are failures Optuna does not learn from. A trial stopped early
+# (``sweep/early_stop.py``) is pruned, as Optuna's own pruners report it.
+_STATE_OF = {"oom": "pruned", "invalid": "pruned", "crash": "fail", "timeout": "fail", "nan": "fail",
+             "pruned": "pruned"}
 
 
 def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:

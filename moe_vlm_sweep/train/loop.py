@@ -302,9 +302,10 @@ class Trainer:
                                           seq_length=self.plan.seq_length, packed=local.packed))
 
     def run(self, on_step: Callable[[int], None] = lambda step: None,
-            trace_dir: Optional[Path] = None) -> TrainResult:
+            trace_dir: Optional[Path] = None,
+            on_measured: Callable[[float, BatchTokens], None] = lambda seconds, batch: None) -> TrainResult:
         """Warmup and measured steps, a census step, profile steps; with ``trace_dir``, torch.profiler covers the
-        profile steps."""
+        profile steps. ``on_measured`` gets each measured step's time and tokens as soon as it is known."""
         t = self.cfg.train
         result = TrainResult()
         for model in self.models:
@@ -355,6 +356,8 @@ class Trainer:
                 if phase != "census":  # a measurement of memory: its loss would make runs differ in length
                     self._reduce(step, microbatches, result)
                     result.phases.append(phase)
+                if phase == "measured":
+                    on_measured(elapsed, result.batches[-1])
                 if self.cfg.cuda_graph.impl == "local" and step == 0:
                     result.graphed_layers = local_graphed_layers(self.models)
                 result.wall_s[phase] = result.wall_s.get(phase, 0.0) + time.perf_counter() - began

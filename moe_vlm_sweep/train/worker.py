@@ -4,6 +4,10 @@ Reads ``RUN_DIR/plan.json``, checks the machine can run it (failing fast, class 
 initialises torch.distributed and megatron's parallel state, builds, trains, and leaves exactly one result:
 ``metrics.json`` (rank 0) or ``failure.json``. Imports neither optuna, mlflow nor hydra: the plan file is all it
 needs, so any run can be replayed from its run directory.
+
+``python -m moe_vlm_sweep.train.worker --serve [MODULE...]`` is a sweep's warm trial host instead: it imports
+:data:`PRELOAD` (and the modules named) once and forks a fresh worker per trial (``launch/warm_host.py``). Rank 0
+appends each measured step to ``progress.jsonl`` as it ends, for a sweep's early stop.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import json
 import os
 import platform
 import resource
@@ -28,7 +33,9 @@ import torch
 import torch.distributed as dist
 
 from moe_vlm_sweep.launch.lifeline import watch_launcher
-from moe_vlm_sweep.launch.local import ALLOC_CONF_ENVS
+from moe_vlm_sweep.launch.local import ALLOC_CONF_ENVS, SERVE_FLAG
+from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
+from moe_vlm_sweep.launch.warm_host import serve
 from moe_vlm_sweep.metrics.schema import (
     COMPONENTS,
     FAILURE_FILE,
@@ -173,18 +180,51 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def step_rates(plan: RunPlan, batch, seconds: float, peak_tflops: float, flops: Optional[dict] = None) -> dict:
+    """The throughput fields of ``metrics.json`` for a step of ``batch`` taking ``seconds``: of the run (its mean
+    batch, its median step) and of each measured step as it ends (``progress.jsonl``)."""
+    from moe_vlm_sweep.model.flops import step_flops
+
+    world = plan.layout.world_size
+    flops = flops or step_flops(plan.run_config, batch, transformer_impl=plan.transformer_impl)
+    model_tflops = flops["total"].model / seconds / world / 1e12
+    hardware_tflops = flops["total"].hardware / seconds / world / 1e12
+    return {"tokens_per_s": batch.padded_tokens / seconds,
+            "tokens_per_s_per_gpu": batch.padded_tokens / seconds / world,
+            "effective_tokens_per_s": batch.real_tokens / seconds,
+            "effective_tokens_per_s_per_gpu": batch.real_tokens / seconds / world,
+            "model_tflops_per_s_per_gpu": model_tflops, "hardware_tflops_per_s_per_gpu": hardware_tflops,
+            "mfu": model_tflops / peak_tflops, "hfu": hardware_tflops / peak_tflops}
+
+
+class _Progress:
+    """Rank 0 appends each measured step to ``progress.jsonl`` (its time and rates), so a sweep can stop a trial
+    that is already clearly slower than its best; the worker itself never talks to the study."""
+
+    def __init__(self, plan: RunPlan, run_dir: Path, peak_tflops: float):
+        self.plan, self.path, self.peak, self.measured = plan, run_dir / PROGRESS_FILE, peak_tflops, 0
+
+    def __call__(self, seconds: float, batch) -> None:
+        if dist.get_rank() != 0:
+            return
+        self.measured += 1
+        line = {"measured_step": self.measured, "step_time_s": seconds,
+                **step_rates(self.plan, batch, seconds, self.peak)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[float, str],
                   startup_s: Optional[dict[str, float]] = None) -> Metrics:
     from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
 
-    cfg, world = plan.run_config, plan.layout.world_size
+    cfg = plan.run_config
     times = result.step_times
     median, mean = statistics.median(times), statistics.fmean(times)
     # The measured steps' batches (they vary per step): their mean step, against the median step time.
     measured = BatchTokens.mean([b for b, phase in zip(result.batches, result.phases) if phase == "measured"])
     flops = step_flops(cfg, measured, transformer_impl=plan.transformer_impl)
-    model_tflops = flops["total"].model / median / world / 1e12
-    hardware_tflops = flops["total"].hardware / median / world / 1e12
+    r = step_rates(plan, measured, median, peak[0], flops)
     split = None
     if result.split_seconds:
         # A component that did not run (no images, or no backward when frozen) reads 0, not missing.
@@ -203,11 +243,8 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         recipe=(plan.recipe or {}).get("fingerprint"),
         step_time_s=StepTimes(median=median, p10=_quantile(times, 0.1), p90=_quantile(times, 0.9), mean=mean,
                               cv=statistics.pstdev(times) / mean if mean else 0.0, steps=times),
-        tokens_per_s=padded / median, tokens_per_s_per_gpu=padded / median / world,
-        effective_tokens_per_s=real / median, effective_tokens_per_s_per_gpu=real / median / world,
-        padded_tokens_per_step=padded, real_tokens_per_step=real, flops_per_step=flops,
-        model_tflops_per_s_per_gpu=model_tflops, hardware_tflops_per_s_per_gpu=hardware_tflops,
-        mfu=model_tflops / peak[0], hfu=hardware_tflops / peak[0], peak_tflops=peak[0], peak_source=peak[1],
+        **r, padded_tokens_per_step=padded, real_tokens_per_step=real, flops_per_step=flops,
+        peak_tflops=peak[0], peak_source=peak[1],
         peak_memory_gib=memory[0], peak_memory_source=memory[1],
         predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
         loss=Loss(values=result.losses, phases=result.phases),
@@ -288,7 +325,8 @@ def run(run_dir: Path) -> None:
         clock.mark("build")
         trainer = Trainer(plan, chunks, source)
         clock.mark("wrap")
-        result = trainer.run(on_step=_note_step, trace_dir=run_dir if cfg.train.trace else None)
+        result = trainer.run(on_step=_note_step, trace_dir=run_dir if cfg.train.trace else None,
+                             on_measured=_Progress(plan, run_dir, peak[0]))
     memory = _peak_memory_gib(plan)
     result.step_times = _slowest_rank(result.step_times, plan)
     result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
@@ -315,9 +353,19 @@ def skip_jax() -> None:
     sys.modules.setdefault("jax", None)
 
 
+PRELOAD = ("torch.distributed", "megatron.core", "megatron.core.parallel_state",
+           "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
+           "megatron.core.distributed", "moe_vlm_sweep.train.cpu_compat", "moe_vlm_sweep.train.loop",
+           "moe_vlm_sweep.model.build", "moe_vlm_sweep.model.flops", "moe_vlm_sweep.data",
+           "moe_vlm_sweep.plan.rules")
+"""What a warm trial host imports once for all its trials: everything :func:`run` imports, lazily or not."""
+
+
 def main(argv: list[str]) -> int:
-    watch_launcher()
     skip_jax()
+    if len(argv) >= 2 and argv[1] == SERVE_FLAG:
+        return serve([*PRELOAD, *argv[2:]], main)
+    watch_launcher()
     if len(argv) != 2:
         print("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", file=sys.stderr)
         return 2

@@ -1,0 +1,39 @@
+"""Where torch.compile (inductor) and Triton keep compiled kernels: one directory per machine and library
+versions under the outputs directory, shared by every run there, so a kernel compiled by one trial is loaded by
+the next instead of compiled again (the H100 measurement in ``benchmarks/results/README.md``: the first warm-up
+step of a fused run took 44 s with empty caches, 19 s with the previous run's).
+
+Per machine, because Triton tunes its kernels to the GPU it compiled on and a shared filesystem may serve
+several kinds of node; per versions, because a cache written by another torch or Triton is at best unused. The
+user's own ``TORCHINDUCTOR_CACHE_DIR``/``TRITON_CACHE_DIR`` win.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+from importlib import metadata
+from pathlib import Path
+
+CACHE_ENVS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+_VERSIONED = ("torch", "triton", "pytorch-triton", "transformer_engine", "megatron-core")
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cache_key(hardware: str) -> str:
+    """``<host>-<hardware>-torch<v>-triton<v>...``: the libraries that are installed, in a path-safe form."""
+    parts = [platform.node() or "host", hardware]
+    parts += [f"{name}{v}" for name in _VERSIONED if (v := _version(name))]
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", "-".join(parts))
+
+
+def cache_env(outputs_dir: str | Path, hardware: str, inherited: dict[str, str]) -> dict[str, str]:
+    """The cache variables a run gets (absolute paths: a trial may run in another working directory)."""
+    root = Path(outputs_dir).resolve() / "compile_cache" / cache_key(hardware)
+    return {env: inherited.get(env) or str(root / sub) for env, sub in CACHE_ENVS.items()}
