@@ -65,7 +65,7 @@ def worker_command(plan: RunPlan, run_dir: Path) -> list[str]:
 
 class _Trial(Protocol):
     pid: int
-    """The worker's (or torchrun's) pid: also its process group and session."""
+    """The worker's (or torchrun's) pid: also its process group (setsid)."""
 
     def wait(self, timeout: Optional[float]) -> Optional[int]:
         """The exit status (negative: the signal), or None if still running after ``timeout`` s."""
@@ -111,7 +111,7 @@ class _HostedTrial:
 
 
 def _kill_group(trial: _Trial) -> Optional[int]:
-    """End the worker's whole process session; also reaps ranks a finished torchrun left behind."""
+    """End the worker's whole process group; also reaps ranks a finished torchrun left behind."""
     returncode = None
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
         try:

@@ -3,14 +3,14 @@ trial, and every trial still runs in a fresh process of its own.
 
 The host is ``python -m moe_vlm_sweep.train.worker --serve MODULE...``: it imports the modules, then forks one
 child per trial, before any CUDA context exists (it checks, and a host that finds one refuses to fork: a CUDA
-context does not survive a fork). The child starts a new process session, takes the trial's environment, working
+context does not survive a fork). The child calls setsid (its own process group), takes the trial's environment, working
 directory and log, and runs the worker's ``main`` as a fresh process would; on exit it is reaped by the host,
 which reports the exit status. So a trial's crash, hang or OOM ends only that child, the launcher's timeout kills
 the child's whole process group as before, and the worker's files classify the run as before.
 
 A torchrun group on one node (``launcher.nnodes=1``) is forked the same way: the child is a small leader (as
 torchrun ``--standalone``) that forks one process per rank with torchrun's rank variables, all in the leader's
-session, ends the group as soon as a rank fails, and exits 1 if any did. Several nodes need torchrun's
+process group, ends the group as soon as a rank fails, and exits 1 if any did. Several nodes need torchrun's
 rendezvous: they start fresh processes through torchrun as before.
 
 No orphan: the host watches its launcher (``lifeline``) and exits when it, or the pipe to it, is gone; each trial
@@ -100,7 +100,7 @@ def _guarded(body: Callable[[], int]) -> int:
 
 
 def _start_trial(request: dict, protocol_fds: tuple[int, int], main: Callable[[list[str]], int]) -> int:
-    """Fork the trial's process: a new session, the trial's environment, cwd and log; never returns in the child."""
+    """Fork the trial's process: setsid, the trial's environment, cwd and log; never returns in the child."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -225,7 +225,7 @@ class WarmHost:
         return self.proc.poll() is None
 
     def start(self, *, argv: list[str], env: dict[str, str], log_path: Path, nproc: int) -> int:
-        """Fork a trial; returns its pid (also its process group and session)."""
+        """Fork a trial; returns its pid (also its process group, made by setsid)."""
         request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path.resolve()), "nproc": nproc}
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
