@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import optuna
 import psutil
 import pytest
 from hydra import compose, initialize_config_dir
+from optuna.trial import TrialState
 
 from moe_vlm_sweep.config.compose import CONF_DIR, register
 from moe_vlm_sweep.launch.slurm import is_submitit, job_problems
@@ -73,64 +75,94 @@ params:
 """
 
 
-@pytest.mark.slow
-def test_sweep_trials_run_as_submitit_jobs(tmp_path):
-    conf = private_conf(tmp_path, {"tiny2": SPACE})
-    refused = cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"],
-                  cwd=tmp_path, conf=conf, check=False)
-    assert refused.returncode != 0
-    assert "the Slurm job (hydra.launcher) cannot hold this sweep's runs: hydra.launcher.tasks_per_node=2" in (
-        refused.stdout + refused.stderr)
-    assert not (tmp_path / "outputs").exists(), "nothing may be created before the job is known to fit"
-    cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local"], cwd=tmp_path, conf=conf)
-    trials = only_study(tmp_path).get_trials()
-    assert [t.user_attrs["failure_class"] for t in trials] == ["ok", "ok"]
-    logs = sorted((tmp_path / "outputs" / "multirun").glob("*/.submitit/*/*_0_log.out"))
-    assert len(logs) == 2 and all("Job completed successfully" in p.read_text() for p in logs)
+SLURM_CPU = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null"]
+"""The GPU preset on the test cluster's CPU node: no GPU to ask for (one CPU per job, the preset's one task)."""
 
 
-@pytest.mark.slow
-def test_a_job_the_scheduler_kills_fails_its_trial_and_the_sweep_goes_on(tmp_path):
-    """What scancel or a node failure does to a job: its processes die without a result, and submitit's results()
-    raises. The trial fails as a crash, in Optuna and MLflow, and the next trial runs."""
-    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
-    proc = start_cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local"], cwd=tmp_path, conf=conf, log=log)
+@pytest.fixture
+def cluster(slurm, monkeypatch):
+    """The session's Slurm cluster with its node idle (no job of an earlier test still holds a CPU), and
+    ``SLURM_CONF`` set for the processes the test starts (sbatch, squeue, submitit read it)."""
+    slurm.wait_idle(timeout=300)
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    return slurm
+
+
+def _jobs(cluster, folder: Path) -> dict[str, str]:
+    """Slurm job id -> state (sacct's), for the jobs submitit submitted under ``folder``."""
+    ids = sorted({p.name.split("_")[0] for p in folder.glob("**/*_submitted.pkl")})
+    return {i: cluster.job_state(i) for i in ids}
+
+
+def _start_sweep(args: list[str], *, cwd: Path, conf: Path, log: Path) -> subprocess.Popen:
+    """The sweep in a process group of its own, so the test can kill it as a shell's Ctrl-\\ or kill -9 -PGID
+    would, without killing pytest."""
+    return subprocess.Popen([sys.executable, "-m", "moe_vlm_sweep.cli", *args], cwd=cwd,
+                            env={**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"},
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(predicate, what: str, proc: subprocess.Popen | None, log: Path, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert proc is None or proc.poll() is None, f"exited {proc.returncode} waiting for {what}\n" + log.read_text()
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s\n" + log.read_text()[-4000:]
+        time.sleep(0.5)
+    return value
+
+
+def _study_db(cwd: Path) -> Path | None:
+    dbs = list((cwd / "outputs" / "sweeps").glob("*/optuna.db"))
+    return dbs[0] if dbs else None
+
+
+def _trials(cwd: Path) -> list:
+    db = _study_db(cwd)
+    if db is None:
+        return []
     try:
-        deadline = time.monotonic() + 300
-        # a job's folder is its id; submitit's pickles there are named by uuid, which may start with a digit too
-        while not (jobs := [p for p in (tmp_path / "outputs" / "multirun").glob("*/.submitit/*")
-                            if p.is_dir() and p.name.isdigit()]):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        _scancel(int(jobs[0].name))
-        assert proc.wait(timeout=600) == 0, log.read_text()
-    finally:
-        end_orphans(tmp_path)
-    trials = only_study(tmp_path).get_trials()
-    assert [t.user_attrs["failure_class"] for t in trials] == ["crash", "ok"], log.read_text()
-    assert "the launcher lost the job: UncompletedJobError" in trials[0].user_attrs["reason"]
-    children = children_by_trial(mlflow_runs(tmp_path))
-    assert [(children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"])
-            for t in trials] == [("FAILED", "crash"), ("FINISHED", "ok")]
+        return only_study(cwd).get_trials()
+    except Exception:  # noqa: BLE001 -- the sweep is still creating the study's tables
+        return []
 
 
 @pytest.mark.slow
-def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
-    """launchers/sweep_workers.py with submitit's local executor: two array tasks, one study, no config twice."""
-    space = SPACE.replace("n_trials: 2", "n_trials: 4") + "  vision: [trainable, frozen]\n"  # 6 configs
-    conf = private_conf(tmp_path, {"tiny4": space})
-    storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    proc = subprocess.run(_sweep_workers(storage, "--seed", "7", "--slurm", "timeout_min=30", "--folder",
-                                   str(tmp_path / "submitit"), "--", "sweep=tiny4", "sweep.study_name=shared"),
-                          cwd=tmp_path, env=_env(conf), text=True, capture_output=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("exit 0") == 2 and "sweep.seed=7" in proc.stdout and "sweep.seed=8" in proc.stdout
-    assert proc.stdout.count("sweep.time_budget_s=1500") == 2, "30 min less the 300 s margin"
-    study = optuna.load_study(study_name="shared", storage=storage)
-    launched = [t for t in study.get_trials() if t.user_attrs.get("claim") == "launch"]
-    assert len(ledger.counted(study.get_trials())) == 4
-    assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched)
-    assert len({t.user_attrs["worker"] for t in launched}) == 2, "both array tasks should have run trials"
+def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, tmp_path):
+    """Each trial is an sbatch job whose result the sweep reads. kill -9 of the sweep's process group while a
+    trial's job runs: the same command resumes the study; the trial it was waiting for is marked interrupted and
+    re-run once (sweep.resume.stale=retry); no trial is lost or run twice as a counted one."""
+    conf, log = private_conf(tmp_path, {"tiny3": SPACE.replace("n_trials: 2", "n_trials: 3")}), tmp_path / "sweep.log"
+    command = ["run", "-m", "sweep=tiny3", *SLURM_CPU, "sweep.resume.stale=retry"]
+    proc = _start_sweep(command, cwd=tmp_path, conf=conf, log=log)
+    submitit_dirs = lambda: list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))  # noqa: E731
+    try:
+        _wait(lambda: any(t.state == TrialState.COMPLETE for t in _trials(tmp_path)), "a finished trial", proc, log)
+        _wait(lambda: any(s == "RUNNING" for d in submitit_dirs() for s in _jobs(cluster, d).values()),
+              "a second trial's job running", proc, log)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    first_run = {k: v for d in submitit_dirs() for k, v in _jobs(cluster, d).items()}
+    assert sorted(first_run.values()) == ["COMPLETED", "RUNNING"], first_run
+    out = cli(command, cwd=tmp_path, conf=conf, timeout=600).stdout
+    assert "was left RUNNING by a sweep that is gone; marked failed (interrupted), re-queued once" in out, out
+    study = only_study(tmp_path)
+    trials = study.get_trials()
+    counted = ledger.counted(trials)
+    assert len(counted) == 3 and all(t.user_attrs["failure_class"] == "ok" for t in counted), \
+        [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
+    assert len({tuple(sorted(t.params.items())) for t in counted}) == 3, "no config measured twice"
+    interrupted = [t for t in trials if f"interrupted.{t.number}" in study.user_attrs]
+    assert len(interrupted) == 1
+    assert [t.params for t in trials if t.user_attrs.get("retry_of") == interrupted[0].number] == \
+        [interrupted[0].params]
+    jobs = {k: v for d in submitit_dirs() for k, v in _jobs(cluster, d).items()}
+    assert list(jobs.values()).count("COMPLETED") >= 3, jobs  # each counted trial's own job
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert children[interrupted[0].number].data.tags["moe_vlm_sweep.failure_class"] == "interrupted"
+    assert all(children[t.number].info.status == "FINISHED" for t in counted)
 
 
 def _sweep_workers(storage: str, *args: str) -> list[str]:
