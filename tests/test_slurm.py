@@ -25,7 +25,7 @@ from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only
 
 ROOT = Path(__file__).resolve().parents[1]
 
-JOB = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 8, "timeout_min": 60}
+JOB = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 8, "timeout_min": 60, "signal_delay_s": 120}
 
 
 def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
@@ -37,6 +37,8 @@ def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     assert is_submitit(job) and job._target_.endswith("SlurmLauncher")
     assert (job.nodes, job.tasks_per_node, job.gpus_per_node, job.partition) == (1, 1, 8, "gpu")
     assert job_problems(job, nproc_per_node=8, nnodes=1, timeout_s=600) == []
+    assert job_problems(job, nproc_per_node=8, nnodes=1, timeout_s=3600 - 240) == []
+    assert job_problems(job, nproc_per_node=8, nnodes=1, timeout_s=3600 - 239) != []
 
 
 @pytest.mark.parametrize("change, launcher, message", [
@@ -44,8 +46,10 @@ def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     ({"gpus_per_node": 4}, {}, "hydra.launcher.gpus_per_node=4 is less than launcher.nproc_per_node=8"),
     ({"nodes": 2}, {}, "hydra.launcher.nodes=2 must be 1"),
     ({}, {"nnodes": 2}, "launcher.nnodes=2: a run under Slurm is one node's process group"),
-    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by at least 120 s"),
-    ({"timeout_min": 11}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s by at least 120 s"),
+    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by at least 120 s "
+                              "+ hydra.launcher.signal_delay_s=120"),
+    ({"timeout_min": 13}, {}, "hydra.launcher.timeout_min=13 must exceed train.timeout_s=600 s by at least 120 s "),
+    ({"timeout_min": 11, "signal_delay_s": 0}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s"),
 ])
 def test_a_job_that_cannot_hold_the_run_is_named(change, launcher, message):
     problems = job_problems({**JOB, **change}, **{"nproc_per_node": 8, "nnodes": 1, **launcher}, timeout_s=600)
@@ -262,3 +266,44 @@ def test_a_long_error_stream_keeps_the_state_and_a_refused_submission_is_told_ap
     assert outcome.failure_class == "timeout" and len(outcome.reason) < 2000
     assert "(state: TIMEOUT)" in outcome.reason and outcome.reason.endswith("CANCELLED DUE TO TIME LIMIT")
     assert is_refused_submission(FailedSubmissionError("sbatch: error: QOSMaxSubmitJobPerUserLimit"))
+
+
+LONG = ["train.steps=100000", "train.timeout_s=3000"]
+"""Trials that run until something ends them."""
+
+
+def _running_job(cluster, cwd: Path, proc, log: Path, seen: set) -> str:
+    """The id of a trial's job the sweep submitted that is RUNNING and not in ``seen``."""
+    def find():
+        for folder in (cwd / "outputs" / "multirun").glob("*/.submitit"):
+            for job, state in _jobs(cluster, folder).items():
+                if state == "RUNNING" and job not in seen:
+                    return job
+        return None
+    return _wait(find, "a running trial job", proc, log)
+
+
+@pytest.mark.slow
+def test_a_cancelled_job_is_a_crash_and_a_run_past_its_timeout_a_timeout(cluster, tmp_path):
+    """scancel of a running trial's job: Slurm ends it CANCELLED, the trial fails as a crash and the next trial
+    runs. A run past train.timeout_s inside its job: the worker is killed and the trial is a timeout (the shape
+    check keeps the job's limit beyond it, so Slurm's kill never comes first). Both in Optuna and MLflow."""
+    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    proc = _start_sweep(["run", "-m", "sweep=tiny2", *SLURM_CPU, "train.steps=100000", "train.timeout_s=40"],
+                        cwd=tmp_path, conf=conf, log=log)
+    try:
+        first = _running_job(cluster, tmp_path, proc, log, set())
+        cluster.run("scancel", first)
+        second = _running_job(cluster, tmp_path, proc, log, {first})
+        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (cluster.job_state(first), cluster.job_state(second)) == ("CANCELLED", "COMPLETED")
+    trials = only_study(tmp_path).get_trials()
+    assert [t.user_attrs["failure_class"] for t in trials] == ["crash", "timeout"], log.read_text()[-3000:]
+    assert "(state: CANCELLED" in trials[0].user_attrs["reason"], trials[0].user_attrs["reason"]
+    assert "no result within train.timeout_s=40 s" in trials[1].user_attrs["reason"]
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert [(children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"])
+            for t in trials] == [("FAILED", "crash"), ("FAILED", "timeout")]
