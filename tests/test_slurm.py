@@ -169,9 +169,68 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     assert all(children[t.number].info.status == "FINISHED" for t in counted)
 
 
+@pytest.mark.slow
+def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeued_one_resumes(cluster, tmp_path):
+    """launchers/sweep_workers.py on Slurm: two array tasks, one PostgreSQL study, no config twice, n_trials
+    honoured. One task is requeued (scontrol requeue) while its sweep runs a trial: Slurm kills it and runs the
+    same command again, and that sweep resumes the study (the trial it was running is marked interrupted)."""
+    from test_sweep_e2e import _postgres_url
+
+    space = SPACE.replace("n_trials: 2", "n_trials: 4") + "  vision: [trainable, frozen]\n"  # 6 configs
+    conf, quiet = private_conf(tmp_path, {"tiny4": space}), Path(os.devnull)
+    storage, stop = _postgres_url(tmp_path)
+    proc = subprocess.Popen(_sweep_workers(storage, "--cluster", "slurm", "--seed", "7", "--slurm", "timeout_min=30",
+                                           "--folder", str(tmp_path / "submitit"), "--", "sweep=tiny4",
+                                           "sweep.study_name=shared"),
+                            cwd=tmp_path, env=_env(conf), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("worker ") for line in lines), lines
+
+        def study():
+            return optuna.load_study(study_name="shared", storage=storage)
+
+        def running_trial_task():
+            """(array task, trial number) of a trial a worker runs, from its sweep process's Slurm environment."""
+            try:
+                trials = study().get_trials()
+            except KeyError:  # not created yet
+                return None
+            for t in trials:
+                if t.state == TrialState.RUNNING and t.user_attrs.get("claim") == "launch":
+                    env = psutil.Process(int(t.user_attrs["worker"].split(":")[1])).environ()
+                    return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}", t.number
+            return None
+
+        requeued, interrupted = _wait(running_trial_task, "a trial a worker runs", None, quiet)
+        cluster.run("scontrol", "requeue", requeued)
+        _wait(lambda: cluster.job_state(requeued) == "PENDING", "the requeued task pending", None, quiet)
+        cluster.run("scontrol", "update", f"JobId={requeued}", "StartTime=now")  # else Slurm holds it ~2 min
+        out = "".join(lines) + proc.communicate(timeout=900)[0]
+        assert proc.returncode == 0, out[-6000:]
+        trials, attrs = study().get_trials(), study().user_attrs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop()
+    assert out.count(": exit 0") == 2 and "sweep.seed=7" in out and "sweep.seed=8" in out, out[-3000:]
+    assert "REQUEUED" in cluster.run("sacct", "-n", "-D", "-P", "-o", "State", "-j", requeued)
+    log = (tmp_path / "submitit" / f"{requeued}_0_log.out").read_text()
+    assert log.count("Starting with JobEnvironment") == 2 and log.count("sweep: study shared") == 2, log[-3000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "submitit").glob("*_log.out"))  # whichever worker saw it
+    assert f"resume: trial #{interrupted} was left RUNNING by a sweep that is gone" in logs, logs[-3000:]
+    assert trials[interrupted].state == TrialState.FAIL
+    assert f"interrupted.{interrupted}" in attrs
+    launched = [t for t in trials if t.user_attrs.get("claim") == "launch"]
+    assert len(ledger.counted(trials)) == 4, [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
+    assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched), "no config twice"
+    assert len({t.user_attrs["worker"].split(":")[1] for t in launched}) >= 2, "both tasks should have run trials"
+
+
 def _sweep_workers(storage: str, *args: str) -> list[str]:
+    cluster = [] if "--cluster" in args else ["--cluster", "local"]
     return [sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2", "--storage", storage,
-            "--cluster", "local", "--wait", *args]
+            *cluster, "--wait", *args]
 
 
 def _sweep_workers_module():
@@ -216,7 +275,7 @@ def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_
     args = args if "--" in args else [*args, "--", "sweep=cpu_demo"]
     proc = subprocess.run(_sweep_workers(f"sqlite:///{tmp_path / 'x.db'}", "--folder", str(tmp_path / "s"), *args),
                           capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists(), "nothing may be submitted"
 
 
