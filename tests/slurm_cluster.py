@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "slurmdbd", "sacct", "mariadbd", "mariadb-install-db")
-START_S = 60.0
+START_S = 180.0
+"""Generous: on a loaded 2-core machine MariaDB's first start alone can take tens of seconds."""
 
 
 class ClusterUnavailable(RuntimeError):

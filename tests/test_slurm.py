@@ -135,8 +135,8 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     """Each trial is an sbatch job whose result the sweep reads. kill -9 of the sweep's process group while a
     trial's job runs: the same command resumes the study; the trial it was waiting for is marked interrupted and
     re-run once (sweep.resume.stale=retry); no trial is lost or run twice as a counted one."""
-    conf, log = private_conf(tmp_path, {"tiny3": SPACE.replace("n_trials: 2", "n_trials: 3")}), tmp_path / "sweep.log"
-    command = ["run", "-m", "sweep=tiny3", *SLURM_CPU, "sweep.resume.stale=retry"]
+    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    command = ["run", "-m", "sweep=tiny2", *SLURM_CPU, "sweep.resume.stale=retry"]
     proc = _start_sweep(command, cwd=tmp_path, conf=conf, log=log)
     submitit_dirs = lambda: list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))  # noqa: E731
     try:
@@ -155,15 +155,16 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     study = only_study(tmp_path)
     trials = study.get_trials()
     counted = ledger.counted(trials)
-    assert len(counted) == 3 and all(t.user_attrs["failure_class"] == "ok" for t in counted), \
+    assert len(counted) == 2 and all(t.user_attrs["failure_class"] == "ok" for t in counted), \
         [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
-    assert len({tuple(sorted(t.params.items())) for t in counted}) == 3, "no config measured twice"
+    assert len({tuple(sorted(t.params.items())) for t in counted}) == 2, "no config measured twice"
     interrupted = [t for t in trials if f"interrupted.{t.number}" in study.user_attrs]
     assert len(interrupted) == 1
     assert [t.params for t in trials if t.user_attrs.get("retry_of") == interrupted[0].number] == \
         [interrupted[0].params]
+    cluster.wait_idle(timeout=300)  # the job the killed sweep waited for ran on to its end, unread
     jobs = {k: v for d in submitit_dirs() for k, v in _jobs(cluster, d).items()}
-    assert list(jobs.values()).count("COMPLETED") >= 3, jobs  # each counted trial's own job
+    assert list(jobs.values()) == ["COMPLETED"] * 3, jobs  # each counted trial's, and the one left running
     children = children_by_trial(mlflow_runs(tmp_path))
     assert children[interrupted[0].number].data.tags["moe_vlm_sweep.failure_class"] == "interrupted"
     assert all(children[t.number].info.status == "FINISHED" for t in counted)
@@ -366,3 +367,33 @@ def test_a_cancelled_job_is_a_crash_and_a_run_past_its_timeout_a_timeout(cluster
     children = children_by_trial(mlflow_runs(tmp_path))
     assert [(children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"])
             for t in trials] == [("FAILED", "crash"), ("FAILED", "timeout")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, message", [
+    (["hydra.launcher.tasks_per_node=2"], "hydra.launcher.tasks_per_node=2 must be 1"),
+    (["launcher=torchrun", "launcher.nnodes=2"], "launcher.nnodes=2: a run under Slurm is one node's process group"),
+    (["hydra.launcher.timeout_min=5"], "hydra.launcher.timeout_min=5 must exceed train.timeout_s=600 s"),
+])
+def test_a_job_that_cannot_hold_the_runs_is_refused_before_submission(cluster, tmp_path, overrides, message):
+    """Exit 2 with the knob and the rule, no traceback, and nothing reaches the scheduler or the outputs."""
+    conf = private_conf(tmp_path, {"tiny2": SPACE})
+    before = cluster.run("sacct", "-n", "-X", "-a", "-P", "-o", "JobID")
+    proc = cli(["run", "-m", "sweep=tiny2", *SLURM_CPU, *overrides], cwd=tmp_path, conf=conf, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: the Slurm job (hydra.launcher) cannot hold this sweep's runs: " in proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "outputs").exists(), "nothing may be created before the job is known to fit"
+    assert cluster.run("sacct", "-n", "-X", "-a", "-P", "-o", "JobID") == before, "no job submitted"
+
+
+def test_a_preempted_sweep_worker_stops_its_sweep_and_resubmits_the_same_command(tmp_path):
+    """SweepWorker.checkpoint (what submitit calls on preemption or near the time limit, before it requeues the
+    task): the running sweep process is stopped, and the task requeued is the same command."""
+    workers = _sweep_workers_module()
+    task = workers.SweepWorker()
+    task.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    resubmitted = task.checkpoint(["sweep=cpu_demo", "sweep.seed=3"])
+    assert task.process.returncode == -signal.SIGTERM
+    assert isinstance(resubmitted.function, workers.SweepWorker) and resubmitted.function.process is None
+    assert resubmitted.args == (["sweep=cpu_demo", "sweep.seed=3"],)
