@@ -149,8 +149,9 @@ class SlurmCluster:
         raise ClusterUnavailable(f"the node is {state or 'not known'} after {timeout:g} s, not idle\n{self.logs()}")
 
     def _start(self, name: str, command: list[str]) -> None:
-        log = open(self.root / "log" / f"{name}.out", "w")
-        proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.root / "log" / f"{name}.out", "w") as log:
+            proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         self.pids[name] = proc.pid
 
     def stop(self, remove: bool = True) -> None:

@@ -1,6 +1,8 @@
-"""Slurm through submitit: Hydra's submitit launcher (the preset composes; a job that cannot hold the runs is
-refused before anything is submitted; a sweep's trials run as submitit jobs) and launchers/sweep_workers.py
-(sweep workers as a job array on one study). End to end on submitit's local executor: no Slurm here."""
+"""Slurm through submitit, on a real one-node cluster (``tests/slurm_cluster.py``, the ``slurm`` fixture): the
+preset composes; a job that cannot hold the runs is refused before submission; a sweep's trials run as sbatch
+jobs, and the sweep resumes after kill -9; a cancelled job is a crash and the sweep goes on; sweep workers run
+as a job array on one PostgreSQL study, and a requeued worker resumes it. Under CI=true (or
+MOE_VLM_SWEEP_REQUIRE_SLURM=1) a cluster that cannot start fails these tests; elsewhere they skip."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from optuna.trial import TrialState
 from moe_vlm_sweep.config.compose import CONF_DIR, register
 from moe_vlm_sweep.launch.slurm import is_submitit, job_problems
 from moe_vlm_sweep.sweep import ledger
-from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf, start_cli
+from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +128,7 @@ def _trials(cwd: Path) -> list:
         return []
     try:
         return only_study(cwd).get_trials()
-    except Exception:  # noqa: BLE001 -- the sweep is still creating the study's tables
+    except Exception:
         return []
 
 
@@ -138,7 +140,7 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
     command = ["run", "-m", "sweep=tiny2", *SLURM_CPU, "sweep.resume.stale=retry"]
     proc = _start_sweep(command, cwd=tmp_path, conf=conf, log=log)
-    submitit_dirs = lambda: list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))  # noqa: E731
+    submitit_dirs = lambda: list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))
     try:
         _wait(lambda: any(t.state == TrialState.COMPLETE for t in _trials(tmp_path)), "a finished trial", proc, log)
         _wait(lambda: any(s == "RUNNING" for d in submitit_dirs() for s in _jobs(cluster, d).values()),
