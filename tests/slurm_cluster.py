@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "slurmdbd", "sacct", "mariadbd", "mariadb-install-db")
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+"""Where the daemons are looked for: the caller's PATH, then where Debian puts them (a non-login root may lack it)."""
 START_S = 180.0
 """Generous: on a loaded 2-core machine MariaDB's first start alone can take tens of seconds."""
 
@@ -114,7 +116,7 @@ class SlurmCluster:
     @property
     def env(self) -> dict[str, str]:
         """The environment of a process that submits to this cluster."""
-        return {**os.environ, "SLURM_CONF": str(self.conf)}
+        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": SEARCH_PATH}
 
     def run(self, *command: str, check: bool = True, timeout: float = 30) -> str:
         proc = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -184,10 +186,10 @@ class SlurmCluster:
 
 def start_cluster() -> SlurmCluster:
     """Start the cluster or raise ClusterUnavailable with the reason; the caller must ``stop()`` it."""
-    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    missing = [d for d in DAEMONS if shutil.which(d, path=SEARCH_PATH) is None]
     if missing:
-        raise ClusterUnavailable(f"{', '.join(missing)} not installed (`make test` installs slurm-wlm and munge "
-                                 "with apt, as root)")
+        raise ClusterUnavailable(f"{', '.join(missing)} not installed (`make test` installs slurm-wlm, slurmdbd, munge "
+                                 "and mariadb-server with apt, as root)")
     if os.geteuid() != 0:
         raise ClusterUnavailable("the test cluster's slurmd must run as root (it starts jobs as their user)")
     root = Path(tempfile.mkdtemp(prefix="slurm-"))  # short: the munge socket's path must fit a sockaddr_un
@@ -204,7 +206,7 @@ def start_cluster() -> SlurmCluster:
     try:
         munge = root / "munge"
         subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}"], check=True,
-                       capture_output=True)
+                       capture_output=True, env=cluster.env)
         cluster._start("munged", ["munged", "--foreground", "--force", f"--socket={munge / 'munge.socket'}",
                                   f"--key-file={munge / 'munge.key'}", f"--pid-file={munge / 'munged.pid'}",
                                   f"--seed-file={munge / 'munged.seed'}", f"--log-file={root / 'log' / 'munged.log'}"])
@@ -227,7 +229,7 @@ def _start_database(cluster: SlurmCluster, port: int) -> None:
     """A MariaDB server for slurmdbd: its own datadir, socket and port; root reaches it by the socket."""
     data, sock = cluster.root / "db", cluster.root / "db.sock"
     subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root", "--skip-test-db"],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=120, env=cluster.env)
     cluster._start("mariadbd", ["mariadbd", "--no-defaults", f"--datadir={data}", f"--socket={sock}",
                                 f"--port={port}", "--bind-address=127.0.0.1", "--user=root",
                                 f"--pid-file={cluster.root / 'db.pid'}", f"--log-error={cluster.root / 'log' / 'db.log'}",
@@ -235,7 +237,8 @@ def _start_database(cluster: SlurmCluster, port: int) -> None:
     _wait_for(lambda: sock.exists() and _listening(port), "MariaDB's socket", cluster)
     subprocess.run(["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root", "-e",
                     "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; "
-                    "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"], check=True, capture_output=True)
+                    "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"], check=True, capture_output=True,
+                   env=cluster.env)
 
 
 def _listening(port: int) -> bool:
