@@ -11,6 +11,7 @@ socket in the same directory, a free port on 127.0.0.1).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,14 +33,23 @@ class ClusterUnavailable(RuntimeError):
 
 
 def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
+    """``n`` ports free now, below the kernel's ephemeral range: a port bound to 0 comes from that range, and until
+    the daemon binds it an outgoing connection (slurmctld's to slurmdbd, say) may take it as its local port."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports: list[int] = []
+    for port in random.sample(range(10000, max(low, 10000 + 4 * n)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise ClusterUnavailable(f"no {n} free ports below {low} on 127.0.0.1")
 
 
 def _memory_mb() -> int:
