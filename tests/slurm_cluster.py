@@ -146,8 +146,9 @@ class SlurmCluster:
         state = self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).strip()
         if state:
             return state
-        lines = self.run("sacct", "-n", "-P", "-o", "State", "-j", job_id, check=False).split()
-        return lines[-1] if lines else ""
+        # -X: the job's allocation, not its steps (a step killed by scancel may end FAILED); "CANCELLED by 0" -> CANCELLED
+        lines = self.run("sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id, check=False).splitlines()
+        return lines[0].split()[0] if lines and lines[0].strip() else ""
 
     def wait_idle(self, timeout: float = START_S) -> None:
         """Until the node is idle: no job of an earlier test holds it."""
