@@ -5,7 +5,7 @@ PY312 := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12
 	"$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$c"; break; }; done)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup postgres demo test test-fast clean
+.PHONY: setup postgres slurm demo test test-fast clean
 
 setup: $(STAMP)
 
@@ -24,11 +24,20 @@ postgres:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; } || \
 	  echo "note: PostgreSQL binaries are missing and could not be installed here (see tests/test_sweep_e2e.py)"
 
+# The Slurm tests start a one-node cluster on localhost (munged, slurmctld, slurmd, and slurmdbd on a MariaDB server of
+# their own, for sacct) from these binaries, as root; under CI=true they fail without them.
+SLURM_BINS := munged mungekey slurmctld slurmd slurmdbd sbatch sacct mariadbd mariadb-install-db
+slurm:
+	@( for b in $(SLURM_BINS); do command -v $$b || [ -x /usr/sbin/$$b ] || exit 1; done ) >/dev/null || \
+	  { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm slurmdbd munge mariadb-server >/dev/null; } || \
+	  echo "note: Slurm (slurm-wlm, slurmdbd, munge, mariadb-server) is missing and could not be installed here (see tests/slurm_cluster.py)"
+
 demo: $(STAMP)
 	$(VENV)/bin/moe-vlm-sweep run -m sweep=cpu_demo
 	@echo "Browse the trials: $(VENV)/bin/moe-vlm-sweep ui   (then open http://127.0.0.1:5000)"
 
-test: $(STAMP) postgres
+test: $(STAMP) postgres slurm
 	$(VENV)/bin/python -m pytest -q -ra
 
 test-fast: $(STAMP)

@@ -3,7 +3,8 @@
 Each array task runs one ordinary sweep process, ``moe-vlm-sweep run -m <overrides> sweep.storage=<url>
 sweep.seed=<seed + index>``, on its own node; the workers share the study through the storage, and its ledger
 launches no config twice. Slurm needs PostgreSQL storage (SQLite over a shared file system does not lock safely);
-``--cluster local`` runs the array as local processes, which is how it is tested here. Each worker gets the
+``--cluster local`` runs the array as local processes. A preempted or requeued worker resumes the study
+(``SweepWorker``). Each worker gets the
 job's time limit, less a margin, as ``sweep.time_budget_s``: it stops between trials instead of being killed in one.
 
     python launchers/sweep_workers.py --workers 8 --storage postgresql+psycopg2://user@db/optuna \\
@@ -14,10 +15,14 @@ job's time limit, less a margin, as ``sweep.time_budget_s``: it stops between tr
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import NoReturn
 
 import submitit
 
@@ -28,15 +33,53 @@ GENERIC = {"timeout_min", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_
 passed as ``slurm_<key>``."""
 TIMEOUT_MIN = 24 * 60
 """The job's time limit unless ``--slurm timeout_min=...`` says otherwise (submitit's own default is 5 minutes)."""
+STOP_GRACE_S = 30
+"""How long a preempted worker's sweep gets to stop before it is killed (well inside submitit's signal delay)."""
+SLURM_END_WAIT_S = 600
+"""How long a task whose sweep got SIGTERM waits for Slurm to end it (KillWait is seconds to a minute)."""
 MARGIN_S = 300
 """Of the job's time limit, kept back from the sweep's budget for start-up, the last export and MLflow."""
 
 
-def worker(argv: list[str]) -> int:
-    """One array task: a sweep process, its output in the task's submitit log."""
-    cli = shutil.which("moe-vlm-sweep")
-    command = [cli] if cli else [sys.executable, "-m", "moe_vlm_sweep.cli"]
-    return subprocess.run([*command, "run", "-m", *argv]).returncode
+def refuse(message: str) -> NoReturn:
+    """Invalid input: the message on stderr and exit 2, before anything is submitted."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+class SweepWorker(submitit.helpers.Checkpointable):
+    """One array task: a sweep process, its output in the task's submitit log.
+
+    Preemption, or the job's time limit coming (submitit's signal, ``signal_delay_s`` before it): ``checkpoint``
+    stops the sweep (SIGTERM, then SIGKILL after STOP_GRACE_S) and submitit requeues this task with the same
+    command, which resumes the study: finished trials stay, the one the sweep was running is marked interrupted
+    (``sweep.resume.stale``). A job Slurm requeues itself (``scontrol requeue``, a node failure with
+    ``--requeue``) runs the same command again from the start, with the same effect."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+
+    def __call__(self, argv: list[str]) -> int:
+        cli = shutil.which("moe-vlm-sweep")
+        command = [cli] if cli else [sys.executable, "-m", "moe_vlm_sweep.cli"]
+        self.process = subprocess.Popen([*command, "run", "-m", *argv])
+        code = self.process.wait()
+        if code == -signal.SIGTERM and "SLURM_JOB_ID" in os.environ:
+            # Slurm is ending the job (scancel, requeue, preemption, time limit: SIGTERM to every process, SIGKILL
+            # after KillWait; submitit's own process ignores SIGTERM). Returning now would write a result and end
+            # the job as if the sweep had finished; waiting lets it end as Slurm says (CANCELLED, requeued, ...).
+            time.sleep(SLURM_END_WAIT_S)
+        return code
+
+    def checkpoint(self, argv: list[str]) -> submitit.helpers.DelayedSubmission:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return submitit.helpers.DelayedSubmission(SweepWorker(), argv)
 
 
 def parameters(pairs: list[str], workers: int, cluster: str) -> dict:
@@ -44,9 +87,9 @@ def parameters(pairs: list[str], workers: int, cluster: str) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--slurm {pair!r}: expected key=value (e.g. partition=gpu)")
+            refuse(f"--slurm {pair!r}: expected key=value (e.g. partition=gpu)")
         if key == "timeout_min" and not value.isdigit():
-            raise SystemExit(f"--slurm timeout_min={value}: expected whole minutes")
+            refuse(f"--slurm timeout_min={value}: expected whole minutes")
         if key in GENERIC or cluster == "slurm":
             params[key if key in GENERIC else f"slurm_{key}"] = int(value) if value.isdigit() else value
     return params
@@ -59,7 +102,7 @@ def _space_budget(overrides: list[str]) -> float | None:
     try:
         return compose_config(own).sweep.time_budget_s
     except CompositionError as exc:
-        raise SystemExit(f"the sweep's overrides do not compose: {exc}") from None
+        refuse(f"the sweep's overrides do not compose: {exc}")
 
 
 def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
@@ -67,15 +110,15 @@ def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
     command line or the space's file; a larger one from the command line is refused, from the file capped."""
     most = timeout_min * 60 - MARGIN_S
     if most <= 0:
-        raise SystemExit(f"--slurm timeout_min={timeout_min}: a sweep job needs more than {MARGIN_S} s, "
+        refuse(f"--slurm timeout_min={timeout_min}: a sweep job needs more than {MARGIN_S} s, "
                          "the margin kept for start-up and the last export")
     given = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith("sweep.time_budget_s=")]
     value = given[-1].split("=", 1)[1] if given else ""
     if given and value.lower() in ("null", "none", ""):
-        raise SystemExit(f"{given[-1]}: a worker needs a budget within the job's limit; leave it out to get "
+        refuse(f"{given[-1]}: a worker needs a budget within the job's limit; leave it out to get "
                          f"{most} s (timeout_min={timeout_min} less the {MARGIN_S} s margin)")
     if given and float(value) > most:
-        raise SystemExit(f"{given[-1]} does not fit the job: timeout_min={timeout_min} leaves at most {most} s "
+        refuse(f"{given[-1]} does not fit the job: timeout_min={timeout_min} leaves at most {most} s "
                          f"after the {MARGIN_S} s margin")
     budget = _space_budget(overrides)
     if given or (budget is not None and budget <= most):
@@ -110,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     executor.update_parameters(**params)
     argvs = [[*args.overrides, *budget, f"sweep.storage={args.storage}", f"sweep.seed={args.seed + i}"]
              for i in range(args.workers)]
-    jobs = executor.map_array(worker, argvs)
+    jobs = executor.map_array(SweepWorker(), argvs)
     for job, argv_i in zip(jobs, argvs):
         print(f"worker {job.job_id}: moe-vlm-sweep run -m {' '.join(argv_i)}", flush=True)
     if not args.wait:

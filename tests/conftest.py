@@ -53,3 +53,23 @@ def megatron_world():
     torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
+
+
+def slurm_required() -> bool:
+    """Under CI (``CI=true``, as ``.ci/run`` runs) or ``MOE_VLM_SWEEP_REQUIRE_SLURM=1`` a cluster that cannot
+    start fails the Slurm tests; elsewhere they skip with the reason."""
+    return os.environ.get("CI", "").lower() == "true" or os.environ.get("MOE_VLM_SWEEP_REQUIRE_SLURM") == "1"
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A one-node Slurm cluster on localhost for the session (``tests/slurm_cluster.py``); each test gets it with
+    the node idle."""
+    from slurm_cluster import ClusterUnavailable, start_cluster
+
+    try:
+        cluster = start_cluster()
+    except ClusterUnavailable as exc:
+        (pytest.fail if slurm_required() else pytest.skip)(f"no Slurm cluster: {exc}")
+    yield cluster
+    cluster.stop()

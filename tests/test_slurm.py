@@ -1,11 +1,14 @@
-"""Slurm through submitit: Hydra's submitit launcher (the preset composes; a job that cannot hold the runs is
-refused before anything is submitted; a sweep's trials run as submitit jobs) and launchers/sweep_workers.py
-(sweep workers as a job array on one study). End to end on submitit's local executor: no Slurm here."""
+"""Slurm through submitit, on a real one-node cluster (``tests/slurm_cluster.py``, the ``slurm`` fixture): the
+preset composes; a job that cannot hold the runs is refused before submission; a sweep's trials run as sbatch
+jobs, and the sweep resumes after kill -9; a cancelled job is a crash and the sweep goes on; sweep workers run
+as a job array on one PostgreSQL study, and a requeued worker resumes it. Under CI=true (or
+MOE_VLM_SWEEP_REQUIRE_SLURM=1) a cluster that cannot start fails these tests; elsewhere they skip."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,15 +18,16 @@ import optuna
 import psutil
 import pytest
 from hydra import compose, initialize_config_dir
+from optuna.trial import TrialState
 
 from moe_vlm_sweep.config.compose import CONF_DIR, register
 from moe_vlm_sweep.launch.slurm import is_submitit, job_problems
 from moe_vlm_sweep.sweep import ledger
-from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf, start_cli
+from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf
 
 ROOT = Path(__file__).resolve().parents[1]
 
-JOB = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 8, "timeout_min": 60}
+JOB = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 8, "timeout_min": 60, "signal_delay_s": 120}
 
 
 def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
@@ -35,6 +39,8 @@ def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     assert is_submitit(job) and job._target_.endswith("SlurmLauncher")
     assert (job.nodes, job.tasks_per_node, job.gpus_per_node, job.partition) == (1, 1, 8, "gpu")
     assert job_problems(job, nproc_per_node=8, nnodes=1, timeout_s=600) == []
+    assert job_problems(job, nproc_per_node=8, nnodes=1, timeout_s=3600 - 240) == []
+    assert job_problems(job, nproc_per_node=8, nnodes=1, timeout_s=3600 - 239) != []
 
 
 @pytest.mark.parametrize("change, launcher, message", [
@@ -42,8 +48,10 @@ def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     ({"gpus_per_node": 4}, {}, "hydra.launcher.gpus_per_node=4 is less than launcher.nproc_per_node=8"),
     ({"nodes": 2}, {}, "hydra.launcher.nodes=2 must be 1"),
     ({}, {"nnodes": 2}, "launcher.nnodes=2: a run under Slurm is one node's process group"),
-    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by at least 120 s"),
-    ({"timeout_min": 11}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s by at least 120 s"),
+    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by at least 120 s "
+                              "+ hydra.launcher.signal_delay_s=120"),
+    ({"timeout_min": 13}, {}, "hydra.launcher.timeout_min=13 must exceed train.timeout_s=600 s by at least 120 s "),
+    ({"timeout_min": 11, "signal_delay_s": 0}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s"),
 ])
 def test_a_job_that_cannot_hold_the_run_is_named(change, launcher, message):
     problems = job_problems({**JOB, **change}, **{"nproc_per_node": 8, "nnodes": 1, **launcher}, timeout_s=600)
@@ -73,70 +81,160 @@ params:
 """
 
 
-@pytest.mark.slow
-def test_sweep_trials_run_as_submitit_jobs(tmp_path):
-    conf = private_conf(tmp_path, {"tiny2": SPACE})
-    refused = cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"],
-                  cwd=tmp_path, conf=conf, check=False)
-    assert refused.returncode != 0
-    assert "the Slurm job (hydra.launcher) cannot hold this sweep's runs: hydra.launcher.tasks_per_node=2" in (
-        refused.stdout + refused.stderr)
-    assert not (tmp_path / "outputs").exists(), "nothing may be created before the job is known to fit"
-    cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local"], cwd=tmp_path, conf=conf)
-    trials = only_study(tmp_path).get_trials()
-    assert [t.user_attrs["failure_class"] for t in trials] == ["ok", "ok"]
-    logs = sorted((tmp_path / "outputs" / "multirun").glob("*/.submitit/*/*_0_log.out"))
-    assert len(logs) == 2 and all("Job completed successfully" in p.read_text() for p in logs)
+SLURM_CPU = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null"]
+"""The GPU preset on the test cluster's CPU node: no GPU to ask for (one CPU per job, the preset's one task)."""
 
 
-@pytest.mark.slow
-def test_a_job_the_scheduler_kills_fails_its_trial_and_the_sweep_goes_on(tmp_path):
-    """What scancel or a node failure does to a job: its processes die without a result, and submitit's results()
-    raises. The trial fails as a crash, in Optuna and MLflow, and the next trial runs."""
-    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
-    proc = start_cli(["run", "-m", "sweep=tiny2", "hydra/launcher=submitit_local"], cwd=tmp_path, conf=conf, log=log)
+@pytest.fixture
+def cluster(slurm, monkeypatch):
+    """The session's Slurm cluster with its node idle (no job of an earlier test still holds a CPU), and
+    ``SLURM_CONF`` set for the processes the test starts (sbatch, squeue, submitit read it)."""
+    slurm.wait_idle(timeout=300)
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    return slurm
+
+
+def _jobs(cluster, folder: Path) -> dict[str, str]:
+    """Slurm job id -> state (sacct's), for the jobs submitit submitted under ``folder``."""
+    ids = sorted({p.name.split("_")[0] for p in folder.glob("**/*_submitted.pkl")})
+    return {i: cluster.job_state(i) for i in ids}
+
+
+def _start_sweep(args: list[str], *, cwd: Path, conf: Path, log: Path) -> subprocess.Popen:
+    """The sweep in a process group of its own, so the test can kill it as a shell's Ctrl-\\ or kill -9 -PGID
+    would, without killing pytest."""
+    return subprocess.Popen([sys.executable, "-m", "moe_vlm_sweep.cli", *args], cwd=cwd,
+                            env={**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"},
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(predicate, what: str, proc: subprocess.Popen | None, log: Path, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert proc is None or proc.poll() is None, f"exited {proc.returncode} waiting for {what}\n" + log.read_text()
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s\n" + log.read_text()[-4000:]
+        time.sleep(0.5)
+    return value
+
+
+def _study_db(cwd: Path) -> Path | None:
+    dbs = list((cwd / "outputs" / "sweeps").glob("*/optuna.db"))
+    return dbs[0] if dbs else None
+
+
+def _trials(cwd: Path) -> list:
+    db = _study_db(cwd)
+    if db is None:
+        return []
     try:
-        deadline = time.monotonic() + 300
-        # a job's folder is its id; submitit's pickles there are named by uuid, which may start with a digit too
-        while not (jobs := [p for p in (tmp_path / "outputs" / "multirun").glob("*/.submitit/*")
-                            if p.is_dir() and p.name.isdigit()]):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        _scancel(int(jobs[0].name))
-        assert proc.wait(timeout=600) == 0, log.read_text()
-    finally:
-        end_orphans(tmp_path)
-    trials = only_study(tmp_path).get_trials()
-    assert [t.user_attrs["failure_class"] for t in trials] == ["crash", "ok"], log.read_text()
-    assert "the launcher lost the job: UncompletedJobError" in trials[0].user_attrs["reason"]
-    children = children_by_trial(mlflow_runs(tmp_path))
-    assert [(children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"])
-            for t in trials] == [("FAILED", "crash"), ("FINISHED", "ok")]
+        return only_study(cwd).get_trials()
+    except Exception:
+        return []
 
 
 @pytest.mark.slow
-def test_sweep_workers_share_one_study_as_a_submitit_array(tmp_path):
-    """launchers/sweep_workers.py with submitit's local executor: two array tasks, one study, no config twice."""
+def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, tmp_path):
+    """Each trial is an sbatch job whose result the sweep reads. kill -9 of the sweep's process group while a
+    trial's job runs: the same command resumes the study; the trial it was waiting for is marked interrupted and
+    re-run once (sweep.resume.stale=retry); no trial is lost or run twice as a counted one."""
+    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    command = ["run", "-m", "sweep=tiny2", *SLURM_CPU, "sweep.resume.stale=retry"]
+    proc = _start_sweep(command, cwd=tmp_path, conf=conf, log=log)
+    submitit_dirs = lambda: list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))
+    try:
+        _wait(lambda: any(t.state == TrialState.COMPLETE for t in _trials(tmp_path)), "a finished trial", proc, log)
+        _wait(lambda: any(s == "RUNNING" for d in submitit_dirs() for s in _jobs(cluster, d).values()),
+              "a second trial's job running", proc, log)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    first_run = {k: v for d in submitit_dirs() for k, v in _jobs(cluster, d).items()}
+    assert sorted(first_run.values()) == ["COMPLETED", "RUNNING"], first_run
+    out = cli(command, cwd=tmp_path, conf=conf, timeout=600).stdout
+    assert "was left RUNNING by a sweep that is gone; marked failed (interrupted), re-queued once" in out, out
+    study = only_study(tmp_path)
+    trials = study.get_trials()
+    counted = ledger.counted(trials)
+    assert len(counted) == 2 and all(t.user_attrs["failure_class"] == "ok" for t in counted), \
+        [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
+    assert len({tuple(sorted(t.params.items())) for t in counted}) == 2, "no config measured twice"
+    interrupted = [t for t in trials if f"interrupted.{t.number}" in study.user_attrs]
+    assert len(interrupted) == 1
+    assert [t.params for t in trials if t.user_attrs.get("retry_of") == interrupted[0].number] == \
+        [interrupted[0].params]
+    cluster.wait_idle(timeout=300)  # the job the killed sweep waited for ran on to its end, unread
+    jobs = {k: v for d in submitit_dirs() for k, v in _jobs(cluster, d).items()}
+    assert list(jobs.values()) == ["COMPLETED"] * 3, jobs  # each counted trial's, and the one left running
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert children[interrupted[0].number].data.tags["moe_vlm_sweep.failure_class"] == "interrupted"
+    assert all(children[t.number].info.status == "FINISHED" for t in counted)
+
+
+@pytest.mark.slow
+def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeued_one_resumes(cluster, tmp_path):
+    """launchers/sweep_workers.py on Slurm: two array tasks, one PostgreSQL study, no config twice, n_trials
+    honoured. One task is requeued (scontrol requeue) while its sweep runs a trial: Slurm kills it and runs the
+    same command again, and that sweep resumes the study (the trial it was running is marked interrupted)."""
+    from test_sweep_e2e import _postgres_url
+
     space = (SPACE.replace("n_trials: 2", "n_trials: 4")  # 6 configs
              + "  vision: [trainable, frozen]\nallow_recipe_changes: [vision]\n")
-    conf = private_conf(tmp_path, {"tiny4": space})
-    storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    proc = subprocess.run(_sweep_workers(storage, "--seed", "7", "--slurm", "timeout_min=30", "--folder",
-                                   str(tmp_path / "submitit"), "--", "sweep=tiny4", "sweep.study_name=shared"),
-                          cwd=tmp_path, env=_env(conf), text=True, capture_output=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("exit 0") == 2 and "sweep.seed=7" in proc.stdout and "sweep.seed=8" in proc.stdout
-    assert proc.stdout.count("sweep.time_budget_s=1500") == 2, "30 min less the 300 s margin"
-    study = optuna.load_study(study_name="shared", storage=storage)
-    launched = [t for t in study.get_trials() if t.user_attrs.get("claim") == "launch"]
-    assert len(ledger.counted(study.get_trials())) == 4
-    assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched)
-    assert len({t.user_attrs["worker"] for t in launched}) == 2, "both array tasks should have run trials"
+    conf, quiet = private_conf(tmp_path, {"tiny4": space}), Path(os.devnull)
+    storage, stop = _postgres_url(tmp_path)
+    proc = subprocess.Popen(_sweep_workers(storage, "--cluster", "slurm", "--seed", "7", "--slurm", "timeout_min=30",
+                                           "--folder", str(tmp_path / "submitit"), "--", "sweep=tiny4",
+                                           "sweep.study_name=shared"),
+                            cwd=tmp_path, env=_env(conf), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("worker ") for line in lines), lines
+
+        def study():
+            return optuna.load_study(study_name="shared", storage=storage)
+
+        def running_trial_task():
+            """(array task, trial number) of a trial a worker runs, from its sweep process's Slurm environment."""
+            try:
+                trials = study().get_trials()
+            except KeyError:  # not created yet
+                return None
+            for t in trials:
+                if t.state == TrialState.RUNNING and t.user_attrs.get("claim") == "launch":
+                    env = psutil.Process(int(t.user_attrs["worker"].split(":")[1])).environ()
+                    return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}", t.number
+            return None
+
+        requeued, interrupted = _wait(running_trial_task, "a trial a worker runs", None, quiet)
+        cluster.run("scontrol", "requeue", requeued)
+        _wait(lambda: cluster.job_state(requeued) == "PENDING", "the requeued task pending", None, quiet)
+        cluster.run("scontrol", "update", f"JobId={requeued}", "StartTime=now")  # else Slurm holds it ~2 min
+        out = "".join(lines) + proc.communicate(timeout=900)[0]
+        assert proc.returncode == 0, out[-6000:]
+        trials, attrs = study().get_trials(), study().user_attrs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop()
+    assert out.count(": exit 0") == 2 and "sweep.seed=7" in out and "sweep.seed=8" in out, out[-3000:]
+    assert "REQUEUED" in cluster.run("sacct", "-n", "-D", "-P", "-o", "State", "-j", requeued)
+    log = (tmp_path / "submitit" / f"{requeued}_0_log.out").read_text()
+    assert log.count("Starting with JobEnvironment") == 2 and log.count("sweep: study shared") == 2, log[-3000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "submitit").glob("*_log.out"))  # whichever worker saw it
+    assert f"resume: trial #{interrupted} was left RUNNING by a sweep that is gone" in logs, logs[-3000:]
+    assert trials[interrupted].state == TrialState.FAIL
+    assert f"interrupted.{interrupted}" in attrs
+    launched = [t for t in trials if t.user_attrs.get("claim") == "launch"]
+    assert len(ledger.counted(trials)) == 4, [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
+    assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched), "no config twice"
+    assert len({t.user_attrs["worker"].split(":")[1] for t in launched}) >= 2, "both tasks should have run trials"
 
 
 def _sweep_workers(storage: str, *args: str) -> list[str]:
+    cluster = [] if "--cluster" in args else ["--cluster", "local"]
     return [sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2", "--storage", storage,
-            "--cluster", "local", "--wait", *args]
+            *cluster, "--wait", *args]
 
 
 def _sweep_workers_module():
@@ -181,7 +279,7 @@ def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_
     args = args if "--" in args else [*args, "--", "sweep=cpu_demo"]
     proc = subprocess.run(_sweep_workers(f"sqlite:///{tmp_path / 'x.db'}", "--folder", str(tmp_path / "s"), *args),
                           capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists(), "nothing may be submitted"
 
 
@@ -231,3 +329,74 @@ def test_a_long_error_stream_keeps_the_state_and_a_refused_submission_is_told_ap
     assert outcome.failure_class == "timeout" and len(outcome.reason) < 2000
     assert "(state: TIMEOUT)" in outcome.reason and outcome.reason.endswith("CANCELLED DUE TO TIME LIMIT")
     assert is_refused_submission(FailedSubmissionError("sbatch: error: QOSMaxSubmitJobPerUserLimit"))
+
+
+LONG = ["train.steps=100000", "train.timeout_s=3000"]
+"""Trials that run until something ends them."""
+
+
+def _running_job(cluster, cwd: Path, proc, log: Path, seen: set) -> str:
+    """The id of a trial's job the sweep submitted that is RUNNING and not in ``seen``."""
+    def find():
+        for folder in (cwd / "outputs" / "multirun").glob("*/.submitit"):
+            for job, state in _jobs(cluster, folder).items():
+                if state == "RUNNING" and job not in seen:
+                    return job
+        return None
+    return _wait(find, "a running trial job", proc, log)
+
+
+@pytest.mark.slow
+def test_a_cancelled_job_is_a_crash_and_a_run_past_its_timeout_a_timeout(cluster, tmp_path):
+    """scancel of a running trial's job: Slurm ends it CANCELLED, the trial fails as a crash and the next trial
+    runs. A run past train.timeout_s inside its job: the worker is killed and the trial is a timeout (the shape
+    check keeps the job's limit beyond it, so Slurm's kill never comes first). Both in Optuna and MLflow."""
+    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    proc = _start_sweep(["run", "-m", "sweep=tiny2", *SLURM_CPU, "train.steps=100000", "train.timeout_s=40"],
+                        cwd=tmp_path, conf=conf, log=log)
+    try:
+        first = _running_job(cluster, tmp_path, proc, log, set())
+        cluster.run("scancel", first)
+        second = _running_job(cluster, tmp_path, proc, log, {first})
+        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (cluster.job_state(first), cluster.job_state(second)) == ("CANCELLED", "COMPLETED")
+    trials = only_study(tmp_path).get_trials()
+    assert [t.user_attrs["failure_class"] for t in trials] == ["crash", "timeout"], log.read_text()[-3000:]
+    assert "(state: CANCELLED" in trials[0].user_attrs["reason"], trials[0].user_attrs["reason"]
+    assert "no result within train.timeout_s=40 s" in trials[1].user_attrs["reason"]
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert [(children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"])
+            for t in trials] == [("FAILED", "crash"), ("FAILED", "timeout")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, message", [
+    (["hydra.launcher.tasks_per_node=2"], "hydra.launcher.tasks_per_node=2 must be 1"),
+    (["launcher=torchrun", "launcher.nnodes=2"], "launcher.nnodes=2: a run under Slurm is one node's process group"),
+    (["hydra.launcher.timeout_min=5"], "hydra.launcher.timeout_min=5 must exceed train.timeout_s=600 s"),
+])
+def test_a_job_that_cannot_hold_the_runs_is_refused_before_submission(cluster, tmp_path, overrides, message):
+    """Exit 2 with the knob and the rule, no traceback, and nothing reaches the scheduler or the outputs."""
+    conf = private_conf(tmp_path, {"tiny2": SPACE})
+    before = cluster.run("sacct", "-n", "-X", "-a", "-P", "-o", "JobID")
+    proc = cli(["run", "-m", "sweep=tiny2", *SLURM_CPU, *overrides], cwd=tmp_path, conf=conf, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: the Slurm job (hydra.launcher) cannot hold this sweep's runs: " in proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "outputs").exists(), "nothing may be created before the job is known to fit"
+    assert cluster.run("sacct", "-n", "-X", "-a", "-P", "-o", "JobID") == before, "no job submitted"
+
+
+def test_a_preempted_sweep_worker_stops_its_sweep_and_resubmits_the_same_command(tmp_path):
+    """SweepWorker.checkpoint (what submitit calls on preemption or near the time limit, before it requeues the
+    task): the running sweep process is stopped, and the task requeued is the same command."""
+    workers = _sweep_workers_module()
+    task = workers.SweepWorker()
+    task.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    resubmitted = task.checkpoint(["sweep=cpu_demo", "sweep.seed=3"])
+    assert task.process.returncode == -signal.SIGTERM
+    assert isinstance(resubmitted.function, workers.SweepWorker) and resubmitted.function.process is None
+    assert resubmitted.args == (["sweep=cpu_demo", "sweep.seed=3"],)

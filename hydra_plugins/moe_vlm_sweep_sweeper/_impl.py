@@ -93,8 +93,10 @@ class SweeperImpl(Sweeper):
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(base))
         problems = slurm.job_problems(self.config.hydra.launcher, nproc_per_node=cfg.launcher.nproc_per_node,
                                       nnodes=cfg.launcher.nnodes, timeout_s=cfg.train.timeout_s)
-        if problems:
-            raise SweepError("the Slurm job (hydra.launcher) cannot hold this sweep's runs: " + "; ".join(problems))
+        if problems:  # invalid input: exit 2 with the knobs and the rules, no traceback (SystemExit passes Hydra)
+            print("error: the Slurm job (hydra.launcher) cannot hold this sweep's runs: " + "; ".join(problems),
+                  file=sys.stderr, flush=True)
+            raise SystemExit(2)
 
     # --- resume -------------------------------------------------------------------------------------------
 

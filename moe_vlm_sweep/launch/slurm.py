@@ -11,7 +11,9 @@ from typing import Any, Mapping
 
 SUBMITIT_TARGET = "hydra_plugins.hydra_submitit_launcher"
 JOB_MARGIN_S = 120
-"""What a job needs beyond ``train.timeout_s``: its Python start, the trial's composition, the worker's teardown."""
+"""What a job needs beyond ``train.timeout_s``: its Python start, the trial's composition, the worker's teardown.
+submitit's signal (``signal_delay_s`` before the limit) comes on top: once it arrives, submitit ends or requeues
+the job, so the worker's own timeout must have fired by then."""
 
 
 def is_submitit(hydra_launcher: Mapping[str, Any]) -> bool:
@@ -34,9 +36,10 @@ def job_problems(job: Mapping[str, Any], *, nproc_per_node: int, nnodes: int, ti
     if gpus is not None and gpus < nproc_per_node:
         problems.append(f"hydra.launcher.gpus_per_node={gpus} is less than launcher.nproc_per_node="
                         f"{nproc_per_node}: each rank needs its GPU")
-    timeout_min = job.get("timeout_min")
-    if timeout_min is not None and timeout_min * 60 < timeout_s + JOB_MARGIN_S:
+    timeout_min, signal_s = job.get("timeout_min"), job.get("signal_delay_s") or 0
+    if timeout_min is not None and timeout_min * 60 < timeout_s + JOB_MARGIN_S + signal_s:
+        why = f"{JOB_MARGIN_S} s" + (f" + hydra.launcher.signal_delay_s={signal_s}" if signal_s else "")
         problems.append(f"hydra.launcher.timeout_min={timeout_min} must exceed train.timeout_s={timeout_s:g} s by "
-                        f"at least {JOB_MARGIN_S} s: a hung run must end as a timeout the sweep records, not be "
-                        "killed by Slurm")
+                        f"at least {why}: a hung run must end as a timeout the sweep records, before submitit's "
+                        "time-limit signal or Slurm's kill")
     return problems
