@@ -63,7 +63,7 @@ def slurm_required() -> bool:
 
 @pytest.fixture(scope="session")
 def slurm():
-    """A one-node Slurm cluster on localhost for the session (``tests/slurm_cluster.py``); each test gets it with
+    """A one-node Slurm cluster on localhost for the whole test run (``tests/slurm_cluster.py``); each test gets it with
     the node idle."""
     from slurm_cluster import ClusterUnavailable, start_cluster
 

@@ -87,7 +87,7 @@ SLURM_CPU = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null"]
 
 @pytest.fixture
 def cluster(slurm, monkeypatch):
-    """The session's Slurm cluster with its node idle (no job of an earlier test still holds a CPU), and
+    """The test run's Slurm cluster with its node idle (no job of an earlier test still holds a CPU), and
     ``SLURM_CONF`` set for the processes the test starts (sbatch, squeue, submitit read it)."""
     slurm.wait_idle(timeout=300)
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))

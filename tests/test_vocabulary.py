@@ -2,7 +2,7 @@
 developed with. Each pattern is narrow enough to leave the project's own words alone:
 
 - ``session``: as a word (``start_new_session``, Python's keyword, is part of a name and not matched; a POSIX
-  process session is called a process group here).
+  process session is called a process group here; pytest's ``scope="session"`` is its API, not a word).
 - ``lease`` and its forms, as words (``release`` is not matched).
 - ``device call``.
 - ``refused`` of a machine request (``refused call``, ``request was refused``); a config the rules reject may be
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PATTERNS = {
-    "session": r"\bsessions?\b",
+    "session": r"(?<!scope=\")\bsessions?\b(?!\")",
     "lease": r"\blease[sd]?\b|\bleasing\b",
     "device call": r"\bdevice calls?\b",
     "refused machine request": r"\brefused (?:device |machine |GPU )?(?:calls?|requests?|starts?)\b"
@@ -63,7 +63,7 @@ def test_no_tracked_file_speaks_of_how_the_project_was_made():
 
 
 def test_the_patterns_leave_the_projects_own_words_alone():
-    legit = ["start_new_session=True", "a release of TE", "sweep.time_budget_s=3500", "the rules refused batch.mbs=3",
+    legit = ["start_new_session=True", '@pytest.fixture(scope="session")', "a release of TE", "sweep.time_budget_s=3500", "the rules refused batch.mbs=3",
              "pip wheel -w dist && ls dist/*.whl", "mypkg-1.0.whl", "toolkit"]
     caught = ["a GPU lease", "the fifth session", "nineteen refused calls", "GPU budget", "bash .kit/install.sh",
               "PYTHONPATH=/tmp/site:x", "the issue's baseline", "one device call", "carrying .whl"]
