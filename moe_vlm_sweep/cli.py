@@ -5,6 +5,7 @@
     moe-vlm-sweep run -m sweep=SPACE [OVERRIDES]   Optuna sweep over sweeps/SPACE.yaml (MLflow-tracked)
     moe-vlm-sweep run -m KNOB=a,b ... Hydra grid sweep (basic sweeper)
     moe-vlm-sweep best [STUDY]        export the best trials of a sweep and print how to re-run them
+    moe-vlm-sweep report [STUDY]      an HTML report of a sweep (plots, top configs, failures) under its folder
     moe-vlm-sweep ui [--port N]       the MLflow UI of the sweeps (outputs/mlflow.db) on 127.0.0.1
 
 Invalid input exits 2 before any process starts; a run that fails exits 1 with its failure class.
@@ -17,6 +18,23 @@ from typing import Sequence
 
 USAGE = __doc__.split("\n\n")[1]
 EXIT_INVALID = 2
+HELP = {
+    "check": """usage: moe-vlm-sweep check [OVERRIDES...]
+
+Compose the config from conf/ with Hydra OVERRIDES (model=small batch.mbs=2 ...), validate it against every
+rule and print the resolved plan (layout, batch, memory estimate). Exit 0: valid; 2: invalid, with the knob,
+the value and the rule. Nothing runs.""",
+    "run": """usage: moe-vlm-sweep run [OVERRIDES...]
+       moe-vlm-sweep run -m sweep=SPACE [OVERRIDES...]
+       moe-vlm-sweep run -m KNOB=a,b [OVERRIDES...]
+
+Without -m: validate like check, then train in an isolated worker process under outputs/runs/ and print the
+result (exit 0 ok, 1 failed with its failure class, 2 invalid).
+With -m sweep=SPACE: an Optuna sweep over moe_vlm_sweep/conf/sweep/SPACE.yaml, tracked in MLflow; sweep.<knob>
+overrides its settings (sweep.n_trials=20). Re-running the same command resumes the study. Ctrl-C or SIGTERM
+stops it cleanly (exit 130 / 143) and says how to resume; a bad space or storage exits 2 before any trial.
+With -m KNOB=a,b: Hydra's grid sweep, each point a run. Hydra's own flags: run -m --hydra-help.""",
+}
 
 
 def _fail(message: str) -> int:
@@ -72,6 +90,12 @@ def run(overrides: Sequence[str]) -> int:
     return 0 if result.ok else 1
 
 
+def report(args: Sequence[str]) -> int:
+    from moe_vlm_sweep.tracking.report import main as report_main
+
+    return report_main(args)
+
+
 def best(args: Sequence[str]) -> int:
     from moe_vlm_sweep.export.command import main as best_main
 
@@ -84,7 +108,7 @@ def ui(args: Sequence[str]) -> int:
     return ui_main(args)
 
 
-COMMANDS = {"check": check, "run": run, "best": best, "ui": ui}
+COMMANDS = {"check": check, "run": run, "best": best, "report": report, "ui": ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         return _fail(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
+    if command in HELP and rest[:1] in (["-h"], ["--help"]):
+        print(HELP[command])
+        return 0
     return COMMANDS[command](rest)
 
 

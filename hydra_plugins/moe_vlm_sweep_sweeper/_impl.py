@@ -13,10 +13,15 @@ validation, no MLflow, the task's return value is the objective.
 from __future__ import annotations
 
 import random
+import shlex
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any, List, Optional
 
 import optuna
+import sqlalchemy.exc
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
@@ -27,11 +32,12 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.launch import slurm
-from moe_vlm_sweep.sweep import ledger, progress
+from moe_vlm_sweep.sweep import ledger, preflight, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.space import Space, fixed_overrides
-from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, load_spec
-from moe_vlm_sweep.sweep.study import exploring, neighbor_of_best, open_study, storage_url, study_name
+from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, SweepSpecError, load_spec
+from moe_vlm_sweep.sweep.study import (StorageError, exploring, neighbor_of_best, open_study, storage_problem,
+                                       storage_url, study_name)
 from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_refused_submission, is_run_config,
                                        outcome_of_lost_job, outcome_of_result, outcome_of_value, plan_trial,
                                        run_overrides)
@@ -40,6 +46,25 @@ MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
 _LAUNCH_FAILURES = ("oom", "crash", "timeout", "nan")
 _TELL_STATE = {"pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
+EXIT_INVALID = 2
+EXIT_STOPPED = 1
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the sweep. A BaseException, like KeyboardInterrupt, so it passes through
+    Hydra's launcher (which keeps a task's Exception as its result) and the local launcher (which ends the
+    worker's process group on the way)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    # The first signal stops the sweep cleanly; a second one (an impatient Ctrl-C) ends the process at once.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Interrupted(signum)
 
 
 def _key(override: str) -> str:
@@ -56,6 +81,10 @@ class SweeperImpl(Sweeper):
         self.stop_reason: Optional[str] = None
         """Set by a trial whose outcome must end the sweep (mixed data realism); the loop raises it."""
         self.budget = TimeBudget(None)
+        self.current: Optional[optuna.Trial] = None
+        self.study: Optional[optuna.Study] = None
+        self.storage: Optional[str] = None
+        """The trial this process runs now, for an interrupting signal to mark."""
 
     # --- setup of one sweep -------------------------------------------------------------------------------
 
@@ -87,6 +116,15 @@ class SweeperImpl(Sweeper):
         tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": url})
         return tracker
 
+    def _lost_study(self, name: str) -> Optional[str]:
+        """Why a new study must not be created under ``name``: MLflow already holds trials of it."""
+        from moe_vlm_sweep.tracking import mlflow_sink
+
+        tracking = self.config.tracking
+        uri = tracking.tracking_uri or mlflow_sink.default_uri(self.config.outputs_dir)
+        found = mlflow_sink.recorded_trials(tracking_uri=uri, experiment=tracking.experiment, study_name=name)
+        return f"MLflow ({uri}) holds {found} trial run(s) of it" if found else None
+
     def _check_slurm_job(self, base: List[str]) -> None:
         """Before anything is submitted: the Slurm job must hold the runs' process group and timeout."""
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(base))
@@ -97,8 +135,24 @@ class SweeperImpl(Sweeper):
 
     # --- resume -------------------------------------------------------------------------------------------
 
+    def _adopt(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, spec: SweepConf) -> bool:
+        """Tell the result a killed sweep's trial left in its run directory (its worker finished); False if none."""
+        found = ledger.finished_run(trial, Path(self.config.outputs_dir) / "runs") if self.project else None
+        if found is None:
+            return False
+        outcome = outcome_of_result(found, spec.objective)
+        try:
+            self._tell(study, optuna.trial.Trial(study, trial._trial_id), outcome)
+        except (RuntimeError, ValueError):
+            return True  # another worker adopted it first
+        print(f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone, but its run finished "
+              f"({outcome.failure_class}, {found.run_dir}); its result is kept", flush=True)
+        return True
+
     def _recover(self, study: optuna.Study, spec: SweepConf) -> None:
         for trial in ledger.stale_trials(study, spec.resume.stale_after_s):
+            if self._adopt(study, trial, spec):
+                continue
             try:
                 study.tell(trial.number, state=TrialState.FAIL)
             except (RuntimeError, ValueError):
@@ -202,12 +256,66 @@ class SweeperImpl(Sweeper):
             if run_id is None:
                 run_id = self.tracker.start_trial(trial.number, params={"sampled": trial.params}, tags={})
             tags = {f"moe_vlm_sweep.{k}": v for k, v in attrs.items() if v and k != "failure_class"}
-            self.tracker.finish_trial(run_id, failure_class=outcome.failure_class, tags=tags,
-                                      metrics=outcome.metrics, run_dir=outcome.run_dir)
+            problem = self.tracker.finish_trial(run_id, failure_class=outcome.failure_class, tags=tags,
+                                                metrics=outcome.metrics, run_dir=outcome.run_dir)
+            if problem:
+                print(f"warning: trial #{trial.number}'s MLflow run could not be logged whole ({problem}); it is "
+                      "marked FAILED there, and the study keeps the trial's result", flush=True)
 
     # --- the loop -----------------------------------------------------------------------------------------
 
     def sweep(self, arguments: List[str]) -> Any:
+        """The sweep, with what stops it said in one line: a bad space or storage exits 2, a deliberate stop 1,
+        SIGINT/SIGTERM 130/143 after marking the running trial interrupted (the same command resumes)."""
+        if not self.project:
+            return self._sweep(arguments)
+        handlers = None
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._sweep(arguments)
+        except Interrupted as stop:
+            self._interrupted(stop)
+            raise SystemExit(128 + stop.signum) from None
+        except (SweepSpecError, StorageError) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INVALID) from None
+        except SweepError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_STOPPED) from None
+        except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+            url = self.storage or ""
+            print(f"error: {storage_problem(exc.__cause__ or exc, url)}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INVALID) from None
+        finally:
+            for sig, handler in (handlers or {}).items():
+                signal.signal(sig, handler)
+
+    def _resume_command(self) -> str:
+        return shlex.join(["moe-vlm-sweep", "run", "-m", *self.config.hydra.overrides.task])
+
+    def _interrupted(self, stop: Interrupted) -> None:
+        """Mark the running trial interrupted and queue it again, close its MLflow run and the parent as KILLED,
+        and say how to resume. Storage calls here may fail (the signal can come from a storage outage); what is
+        left RUNNING is then recovered by the next run."""
+        trial, study = self.current, getattr(self, "study", None)
+        where = ""
+        try:
+            if trial is not None and study is not None:
+                self._tell(study, trial, Outcome(state="fail", failure_class="interrupted",
+                                                 reason=f"the sweep was stopped by {stop}"))
+                where = f"; trial #{trial.number} marked interrupted"
+                if trial.user_attrs.get("claim") == "launch" and "retry_of" not in trial.user_attrs:
+                    study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
+                    where += " and queued to run again"
+            if self.tracker is not None:
+                self.tracker.close_sweep("KILLED")
+        except Exception as exc:  # noqa: BLE001 -- the next run recovers what this could not record
+            where += f" (could not record it all: {type(exc).__name__}; the next run recovers it)"
+        print(f"sweep: stopped by {stop}{where}. Resume with: {self._resume_command()}", file=sys.stderr,
+              flush=True)
+
+    def _sweep(self, arguments: List[str]) -> Any:
         spec = load_spec(self.config.get("sweep"))
         self.budget = TimeBudget(spec.time_budget_s)
         base = self.job_overrides(spec, list(arguments))
@@ -215,11 +323,16 @@ class SweeperImpl(Sweeper):
             self._check_slurm_job(base)
         space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
         first = [space.point(values, f"sweep.first_trials[{i}]") for i, values in enumerate(spec.first_trials)]
+        if self.project:
+            preflight.check_objective(spec.objective)
+            preflight.check_space(lambda o: self.hydra_context.config_loader.load_sweep_config(self.config, o),
+                                  space, base, first)
         choices = self.config.hydra.runtime.choices
         name = study_name(choices.get("sweep") or "sweep", spec, run_overrides(base))
         sweep_dir = self._sweep_dir(name)
-        url = storage_url(spec, sweep_dir)
-        study = open_study(name=name, url=url, spec=spec)
+        url = self.storage = storage_url(spec, sweep_dir)
+        study = self.study = open_study(name=name, url=url, spec=spec,
+                                        lost=(lambda: self._lost_study(name)) if self.project else None)
         study.set_user_attr("objective_metrics", spec.objective.metrics)
         self.tracker = self._open_tracker(name, url) if self.project else None
         where = url or "in memory (set sweep.storage to keep it)"
@@ -246,13 +359,14 @@ class SweeperImpl(Sweeper):
                       f"{self.budget.why_not('another trial')}", flush=True)
                 return self._finish(study, spec, sweep_dir)
             with exploring(study, explorer, now=duplicates_in_a_row > 0):
-                trial = study.ask()
+                trial = self.current = study.ask()
                 ledger.own(trial)
                 if ledger.is_surplus(study.get_trials(deepcopy=False), trial.number, spec.n_trials,
                                      spec.resume.stale_after_s):
                     trial.set_user_attr("claim", "surplus")
                     self._tell(study, trial, Outcome(state="fail", failure_class="surplus",
                                                      reason="the study was full when this trial was asked"))
+                    self.current = None
                     break
                 sampled = space.suggest(trial)
             overrides = [*base, *Space.overrides(sampled)]
@@ -260,6 +374,7 @@ class SweeperImpl(Sweeper):
             with self.budget.timing():
                 outcome = self._run(study, trial, spec, overrides)
             self._tell(study, trial, outcome)
+            self.current = None
             duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == "duplicate" else 0
             proposal = duplicates_in_a_row and neighbor_of_best(study, space, walker)
             if proposal:  # the next ask takes it; the explorer fills in any param it leaves out

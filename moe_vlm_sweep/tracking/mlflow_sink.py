@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import math
 import subprocess
 import time
@@ -170,19 +171,34 @@ class SweepTracker:
         return run.info.run_id
 
     def finish_trial(self, run_id: str, *, failure_class: str, tags: Mapping[str, str] = {},
-                     metrics: Optional[Mapping[str, Any]] = None, run_dir: Optional[str] = None) -> None:
-        self._log(run_id, tags={f"{TAG}failure_class": failure_class, **tags},
-                  metrics=_metrics(metrics or {}, int(time.time() * 1000)))
-        if run_dir:
-            for name in ARTIFACTS:
-                path = Path(run_dir) / name
-                if path.is_file():
-                    self.client.log_artifact(run_id, str(path))
+                     metrics: Optional[Mapping[str, Any]] = None, run_dir: Optional[str] = None) -> Optional[str]:
+        """Log the trial's outcome and close its run. If logging fails part way (a full disk, a lost server), the
+        run is closed FAILED with the reason as a tag, never FINISHED without its metrics; returns the reason
+        (None when all was logged)."""
+        try:
+            self._log(run_id, tags={f"{TAG}failure_class": failure_class, **tags},
+                      metrics=_metrics(metrics or {}, int(time.time() * 1000)))
+            if run_dir:
+                for name in ARTIFACTS:
+                    path = Path(run_dir) / name
+                    if path.is_file():
+                        self.client.log_artifact(run_id, str(path))
+        except (OSError, MlflowException) as exc:
+            problem = f"{type(exc).__name__}: {exc}"[:500]
+            try:
+                self.client.set_tag(run_id, f"{TAG}tracking_error", problem)
+            except (OSError, MlflowException):
+                pass
+            self.client.set_terminated(run_id, status="FAILED")
+            return problem
         self.client.set_terminated(run_id, status=_STATUS.get(failure_class, "FAILED"))
+        return None
 
     def reconcile(self, trials: Iterable[Any], describe) -> int:
         """Make every finished trial's child exist and be closed; ``describe(trial)`` gives its failure class,
-        params and tags. Returns how many runs were closed or added."""
+        params and tags. A successful trial's metrics are logged from its run directory's ``result.json``; one
+        whose metrics cannot be found is closed FAILED (tagged ``tracking_error``), not FINISHED without them.
+        Returns how many runs were closed or added."""
         children, fixed = self.children(), 0
         for trial in trials:
             failure_class, params, tags = describe(trial)
@@ -193,12 +209,40 @@ class SweepTracker:
                 run_id = run.info.run_id
             else:
                 continue
-            self.finish_trial(run_id, failure_class=failure_class, tags=tags)
+            run_dir = trial.user_attrs.get("run_dir")
+            metrics = _result_metrics(run_dir)
+            if failure_class == "ok" and not metrics:
+                self.client.set_tag(run_id, f"{TAG}tracking_error", f"the trial's metrics were not found in "
+                                                                     f"{run_dir}/result.json")
+                self.finish_trial(run_id, failure_class="crash", tags={**tags, f"{TAG}failure_class": "ok"})
+            else:
+                self.finish_trial(run_id, failure_class=failure_class, tags=tags, metrics=metrics, run_dir=run_dir)
             fixed += 1
         return fixed
 
     def close_sweep(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.parent_id, status=status)
+
+
+def _result_metrics(run_dir: Optional[str]) -> dict[str, Any]:
+    """The metrics of a run's ``result.json`` (empty when there is none)."""
+    try:
+        return json.loads((Path(run_dir) / "result.json").read_text()).get("metrics") or {} if run_dir else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def recorded_trials(*, tracking_uri: str, experiment: str, study_name: str) -> int:
+    """How many trial runs MLflow holds for ``study_name`` (0 when there is no such experiment or study); asked
+    before a study is created, so an emptied Optuna database is noticed instead of started over."""
+    with sqlite_init_lock(tracking_uri):
+        client = MlflowClient(tracking_uri=tracking_uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return 0
+        runs = client.search_runs([found.experiment_id], max_results=1000, run_view_type=ViewType.ACTIVE_ONLY,
+                                  filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'trial'")
+    return len(runs)
 
 
 def export_study_runs(*, tracking_uri: str, experiment: str, study_name: str) -> list[dict[str, Any]]:
