@@ -91,7 +91,7 @@ def run(overrides: Sequence[str]) -> int:
 
 
 def report(args: Sequence[str]) -> int:
-    from moe_vlm_sweep.tracking.report import main as report_main
+    from moe_vlm_sweep.export.report import main as report_main
 
     return report_main(args)
 

@@ -12,11 +12,14 @@ validation, no MLflow, the task's return value is the objective.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shlex
 import signal
 import sys
 import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -34,6 +37,7 @@ from optuna.trial import TrialState
 from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.sweep import ledger, preflight, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
+from moe_vlm_sweep.sweep.devices import held as devices_held
 from moe_vlm_sweep.sweep.space import Space, fixed_overrides
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, SweepSpecError, load_spec
 from moe_vlm_sweep.sweep.study import (StorageError, exploring, neighbor_of_best, open_study, storage_problem,
@@ -83,6 +87,8 @@ class SweeperImpl(Sweeper):
         self.budget = TimeBudget(None)
         self.current: Optional[optuna.Trial] = None
         self.study: Optional[optuna.Study] = None
+        self.trial_seconds: list[float] = []
+        """Wall seconds of each trial this process launched, for the time-left estimate."""
         self.storage: Optional[str] = None
         """The trial this process runs now, for an interrupting signal to mark."""
 
@@ -207,9 +213,18 @@ class SweeperImpl(Sweeper):
         if self.tracker is not None:
             tags = {"moe_vlm_sweep.data_realism": plan.run_config.data.realism,
                     "moe_vlm_sweep.hardware": plan.run_config.hardware.name}
-            run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags)
+            run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags,
+                                              label=progress.config_text(trial.params))
             trial.set_user_attr("mlflow_run_id", run_id)
-        with ledger.Heartbeat(trial, spec.resume.heartbeat_s):
+        on_host = self.project and not slurm.is_submitit(self.config.hydra.launcher)
+        gpus = plan.run_config.launcher.nproc_per_node if plan and plan.device == "cuda" else 0
+        devices = (devices_held(gpus=gpus, say=lambda line: print(f"[trial #{trial.number}] {line}", flush=True))
+                   if on_host else contextlib.nullcontext(""))
+        tail = (progress.StepTail(Path(self.config.outputs_dir) / "runs", trial.number) if on_host
+                else contextlib.nullcontext())
+        with ledger.Heartbeat(trial, spec.resume.heartbeat_s), devices as holding, tail:
+            if holding:
+                trial.set_user_attr("devices", holding)
             try:
                 job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
             except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job; the study must not
@@ -334,6 +349,9 @@ class SweeperImpl(Sweeper):
         study = self.study = open_study(name=name, url=url, spec=spec,
                                         lost=(lambda: self._lost_study(name)) if self.project else None)
         study.set_user_attr("objective_metrics", spec.objective.metrics)
+        with warnings.catch_warnings():  # experimental in Optuna; it is how optuna-dashboard names the objectives
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names(spec.objective.metrics)
         self.tracker = self._open_tracker(name, url) if self.project else None
         where = url or "in memory (set sweep.storage to keep it)"
         print(f"sweep: study {name} ({spec.n_trials} trials, {' and '.join(spec.objective.directions)} "
@@ -371,8 +389,11 @@ class SweeperImpl(Sweeper):
                 sampled = space.suggest(trial)
             overrides = [*base, *Space.overrides(sampled)]
             trial.set_user_attr("overrides", run_overrides(overrides))
+            began = time.monotonic()
             with self.budget.timing():
                 outcome = self._run(study, trial, spec, overrides)
+            if outcome.run_dir:
+                self.trial_seconds.append(time.monotonic() - began)
             self._tell(study, trial, outcome)
             self.current = None
             duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == "duplicate" else 0
@@ -382,11 +403,16 @@ class SweeperImpl(Sweeper):
             failures_in_a_row = (failures_in_a_row + 1 if outcome.failure_class in _LAUNCH_FAILURES
                                  else 0 if outcome.ok else failures_in_a_row)
             best = self._best(study)
-            print(progress.trial_line(done=len(ledger.counted(study.get_trials(deepcopy=False))),
+            if self.tracker is not None and best is not None and outcome.ok:
+                self.tracker.log_best(len(ledger.counted(study.get_trials(deepcopy=False))),
+                                      dict(zip(spec.objective.metrics, best.values)))
+            done_now = len(ledger.counted(study.get_trials(deepcopy=False)))
+            print(progress.trial_line(done=done_now,
                                       total=spec.n_trials, number=trial.number, sampled=sampled,
                                       failure_class=outcome.failure_class, values=outcome.values,
                                       reason=outcome.reason, metric_names=spec.objective.metrics, best=best,
-                                      proposed_as=trial.user_attrs.get("proposed_as", "")),
+                                      proposed_as=trial.user_attrs.get("proposed_as", ""),
+                                      left=progress.time_left(self.trial_seconds, spec.n_trials - done_now)),
                   flush=True)
             if self.stop_reason:
                 self._finish(study, spec, sweep_dir, status="FAILED")
@@ -456,7 +482,24 @@ class SweeperImpl(Sweeper):
                 unconfirmed = " (unconfirmed)" if held is None and spec.confirm else ""
                 print(f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
                       f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)
+        if self.project and top:
+            self._report(study, sweep_dir)
         if self.tracker is not None:
             if not ledger.in_flight(study.get_trials(deepcopy=False), spec.resume.stale_after_s):
                 self.tracker.close_sweep(status)
         return top
+
+    def _report(self, study: optuna.Study, sweep_dir: Path) -> None:
+        """The HTML report (``moe-vlm-sweep report``) under the sweep's folder and on the MLflow parent run."""
+        from moe_vlm_sweep.export.report import REPORT_DIR, write_report
+
+        out = sweep_dir / REPORT_DIR
+        try:
+            path = write_report(study, out, links=[f"moe-vlm-sweep ui --outputs {self.config.outputs_dir}"])
+            if self.tracker is not None:
+                self.tracker.client.log_artifacts(self.tracker.parent_id, str(out), REPORT_DIR)
+        except (OSError, ValueError, RuntimeError) as exc:
+            print(f"warning: the report could not be written ({type(exc).__name__}: {exc}); "
+                  f"moe-vlm-sweep report {study.study_name} tries again", flush=True)
+            return
+        print(f"report: {path}", flush=True)

@@ -25,10 +25,12 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 TAG = "moe_vlm_sweep."
-ARTIFACTS = ("config.yaml", "overrides.yaml", "command.sh", "worker.log", "metrics.json", "failure.json",
-             "result.json", "kernels.txt")
+ARTIFACTS = ("config.yaml", "overrides.yaml", "plan.json", "command.sh", "worker.log", "metrics.json",
+             "failure.json", "result.json", "kernels.txt")
 _STATUS = {"ok": "FINISHED", "interrupted": "KILLED", "duplicate": "KILLED", "surplus": "KILLED"}
 """MLflow run status per failure class: KILLED for trials that never ran to the end without being at fault."""
+EXPERIMENT_KIND = "mlflow.experimentKind"
+"""The experiment tag MLflow's UI reads to choose its view (``custom_model_development``: training runs)."""
 _BATCH = 100  # MLflow's limit on params (and tags) per log_batch call
 
 
@@ -104,12 +106,15 @@ class SweepTracker:
 
     def _experiment(self, name: str, artifact_root: str) -> str:
         found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=artifact_root)
-        except MlflowException:  # another worker created it first
-            return self.client.get_experiment_by_name(name).experiment_id
+        if found is None:
+            try:
+                self.client.create_experiment(name, artifact_location=artifact_root)
+            except MlflowException:  # another worker created it first
+                pass
+            found = self.client.get_experiment_by_name(name)
+        if EXPERIMENT_KIND not in found.tags:  # the UI then opens on runs and charts, not its GenAI view
+            self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+        return found.experiment_id
 
     def _search(self, filter_string: str) -> list:
         runs, token = [], None
@@ -162,9 +167,18 @@ class SweepTracker:
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
 
-    def start_trial(self, number: int, *, params: Mapping[str, Any], tags: Mapping[str, str]) -> str:
-        """Open the trial's child run before it launches (so a kill leaves a trace reconcile can close)."""
-        run = self.client.create_run(self.experiment_id, run_name=f"{self.study_name}/trial-{number}", tags={
+    def log_best(self, step: int, values: Mapping[str, float]) -> None:
+        """The best values so far on the parent run, one point per finished trial, so its chart view shows the
+        search converging."""
+        now = int(time.time() * 1000)
+        self._log(self.parent_id, metrics=[Metric(f"best.{k}", float(v), now, step) for k, v in values.items()])
+
+    def start_trial(self, number: int, *, params: Mapping[str, Any], tags: Mapping[str, str],
+                    label: str = "") -> str:
+        """Open the trial's child run before it launches (so a kill leaves a trace reconcile can close). Its name
+        is the trial's number and sampled knobs (``label``), what a person scans the run list for."""
+        name = f"trial-{number} {label}".strip()[:250]
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={
             **self.static_tags, "mlflow.parentRunId": self.parent_id, f"{TAG}study": self.study_name,
             f"{TAG}role": "trial", f"{TAG}trial": str(number), **tags})
         self._log(run.info.run_id, params=flatten(params))
@@ -230,6 +244,21 @@ def _result_metrics(run_dir: Optional[str]) -> dict[str, Any]:
         return json.loads((Path(run_dir) / "result.json").read_text()).get("metrics") or {} if run_dir else {}
     except (OSError, ValueError):
         return {}
+
+
+def log_report(*, tracking_uri: str, experiment: str, study_name: str, folder: Path) -> Optional[str]:
+    """Log a report's files as artifacts ``report/`` of the study's parent run; its id, or None without one."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = client.search_runs([found.experiment_id], max_results=1, run_view_type=ViewType.ACTIVE_ONLY,
+                              filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'parent'",
+                              order_by=["attributes.start_time ASC"])
+    if not runs:
+        return None
+    client.log_artifacts(runs[0].info.run_id, str(folder), "report")
+    return runs[0].info.run_id
 
 
 def recorded_trials(*, tracking_uri: str, experiment: str, study_name: str) -> int:
