@@ -86,11 +86,11 @@ class SweeperImpl(Sweeper):
         """Set by a trial whose outcome must end the sweep (mixed data realism); the loop raises it."""
         self.budget = TimeBudget(None)
         self.current: Optional[optuna.Trial] = None
+        """The trial this process runs now, for an interrupting signal to mark."""
         self.study: Optional[optuna.Study] = None
+        self.storage: Optional[str] = None
         self.trial_seconds: list[float] = []
         """Wall seconds of each trial this process launched, for the time-left estimate."""
-        self.storage: Optional[str] = None
-        """The trial this process runs now, for an interrupting signal to mark."""
 
     # --- setup of one sweep -------------------------------------------------------------------------------
 
@@ -313,7 +313,7 @@ class SweeperImpl(Sweeper):
         """Mark the running trial interrupted and queue it again, close its MLflow run and the parent as KILLED,
         and say how to resume. Storage calls here may fail (the signal can come from a storage outage); what is
         left RUNNING is then recovered by the next run."""
-        trial, study = self.current, getattr(self, "study", None)
+        trial, study = self.current, self.study
         where = ""
         try:
             if trial is not None and study is not None:
@@ -403,10 +403,9 @@ class SweeperImpl(Sweeper):
             failures_in_a_row = (failures_in_a_row + 1 if outcome.failure_class in _LAUNCH_FAILURES
                                  else 0 if outcome.ok else failures_in_a_row)
             best = self._best(study)
-            if self.tracker is not None and best is not None and outcome.ok:
-                self.tracker.log_best(len(ledger.counted(study.get_trials(deepcopy=False))),
-                                      dict(zip(spec.objective.metrics, best.values)))
             done_now = len(ledger.counted(study.get_trials(deepcopy=False)))
+            if self.tracker is not None and best is not None and outcome.ok:
+                self.tracker.log_best(done_now, dict(zip(spec.objective.metrics, best.values)))
             print(progress.trial_line(done=done_now,
                                       total=spec.n_trials, number=trial.number, sampled=sampled,
                                       failure_class=outcome.failure_class, values=outcome.values,
@@ -497,8 +496,8 @@ class SweeperImpl(Sweeper):
         try:
             path = write_report(study, out, links=[f"moe-vlm-sweep ui --outputs {self.config.outputs_dir}"])
             if self.tracker is not None:
-                self.tracker.client.log_artifacts(self.tracker.parent_id, str(out), REPORT_DIR)
-        except (OSError, ValueError, RuntimeError) as exc:
+                self.tracker.log_sweep_files(out, REPORT_DIR)
+        except Exception as exc:  # noqa: BLE001 -- a report that cannot be drawn must not fail a finished sweep
             print(f"warning: the report could not be written ({type(exc).__name__}: {exc}); "
                   f"moe-vlm-sweep report {study.study_name} tries again", flush=True)
             return

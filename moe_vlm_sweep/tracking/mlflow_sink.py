@@ -167,6 +167,10 @@ class SweepTracker:
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
 
+    def log_sweep_files(self, folder: Path, artifact_path: str) -> None:
+        """A folder's files (the report) as artifacts of the parent run."""
+        self.client.log_artifacts(self.parent_id, str(folder), artifact_path)
+
     def log_best(self, step: int, values: Mapping[str, float]) -> None:
         """The best values so far on the parent run, one point per finished trial, so its chart view shows the
         search converging."""
