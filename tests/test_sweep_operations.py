@@ -266,3 +266,26 @@ def test_two_sweep_workers_on_one_host_never_measure_at_once(tmp_path, monkeypat
 
     experiment = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}").get_experiment_by_name("moe-vlm-sweep")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's training view
+
+
+@pytest.mark.slow
+def test_a_signal_just_after_the_worker_finished_keeps_its_result(tmp_path):
+    """SIGTERM reaches a frozen sweep whose worker then finishes; the sweep wakes into the signal with the
+    result on disk: it tells that result (not interrupted, not queued again) and exits 143."""
+    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 2")})
+    log = tmp_path / "first.log"
+    sweep = start_cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf, log=log)
+    try:
+        workers = _wait_in_trial(tmp_path, sweep, log)
+        sweep.send_signal(signal.SIGSTOP)
+        psutil.wait_procs(workers, timeout=300)
+        sweep.send_signal(signal.SIGTERM)
+        sweep.send_signal(signal.SIGCONT)
+        assert sweep.wait(timeout=60) == 143, log.read_text()[-4000:]
+    finally:
+        end_orphans(tmp_path)
+    assert "sweep: stopped by SIGTERM; trial #0 had finished and is kept. Resume with:" in log.read_text()
+    study = only_study(tmp_path)
+    assert study.trials[0].state == TrialState.COMPLETE
+    assert not [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
+    assert children_by_trial(mlflow_runs(tmp_path))[0].info.status == "FINISHED"

@@ -88,6 +88,7 @@ class SweeperImpl(Sweeper):
         self.current: Optional[optuna.Trial] = None
         """The trial this process runs now, for an interrupting signal to mark."""
         self.study: Optional[optuna.Study] = None
+        self.spec: Optional[SweepConf] = None
         self.storage: Optional[str] = None
         self.trial_seconds: list[float] = []
         """Wall seconds of each trial this process launched, for the time-left estimate."""
@@ -316,7 +317,11 @@ class SweeperImpl(Sweeper):
         trial, study = self.current, self.study
         where = ""
         try:
-            if trial is not None and study is not None:
+            finished = trial is not None and ledger.finished_run(trial, Path(self.config.outputs_dir) / "runs")
+            if finished and study is not None:  # the worker wrote its result before the signal: keep it
+                self._tell(study, trial, outcome_of_result(finished, self.spec.objective))
+                where = f"; trial #{trial.number} had finished and is kept"
+            elif trial is not None and study is not None:
                 self._tell(study, trial, Outcome(state="fail", failure_class="interrupted",
                                                  reason=f"the sweep was stopped by {stop}"))
                 where = f"; trial #{trial.number} marked interrupted"
@@ -331,7 +336,7 @@ class SweeperImpl(Sweeper):
               flush=True)
 
     def _sweep(self, arguments: List[str]) -> Any:
-        spec = load_spec(self.config.get("sweep"))
+        spec = self.spec = load_spec(self.config.get("sweep"))
         self.budget = TimeBudget(spec.time_budget_s)
         base = self.job_overrides(spec, list(arguments))
         if self.project and slurm.is_submitit(self.config.hydra.launcher):

@@ -165,8 +165,9 @@ class Heartbeat:
 
 
 
-def finished_run(trial: FrozenTrial, runs_dir: Path) -> Optional[RunResult]:
-    """The result of ``trial``'s run if it finished, else None.
+def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> Optional[RunResult]:
+    """The result of ``trial``'s run if it finished, else None (a stale trial's, or this process's own when a
+    signal stops it just after its worker wrote the result).
 
     The task names a trial's run directory ``<time>-job<number>-<random>`` (``sweep/app.py``); the one of this
     trial is the one made after the trial started whose plan ran the trial's overrides. Its ``result.json``
