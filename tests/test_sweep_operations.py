@@ -289,3 +289,26 @@ def test_a_signal_just_after_the_worker_finished_keeps_its_result(tmp_path):
     assert study.trials[0].state == TrialState.COMPLETE
     assert not [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
     assert children_by_trial(mlflow_runs(tmp_path))[0].info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_ends_the_sweep_at_once_and_it_still_resumes(tmp_path):
+    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 1")})
+    log = tmp_path / "first.log"
+    sweep = start_cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf, log=log)
+    try:
+        workers = _wait_in_trial(tmp_path, sweep, log)
+        sweep.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        sweep.send_signal(signal.SIGINT)
+        assert sweep.wait(timeout=10) == -signal.SIGINT, log.read_text()[-3000:]
+        assert not psutil.wait_procs(workers, timeout=30)[1], "the worker must not outlive the sweep"
+    finally:
+        end_orphans(tmp_path)
+    out = cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf).stdout
+    # Wherever the second signal landed (before the trial was marked, or between marking and queuing it again),
+    # the resumed study re-runs the interrupted config once and MLflow matches it.
+    study = only_study(tmp_path)
+    _assert_consistent(study, mlflow_runs(tmp_path), 1)
+    retry = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
+    assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE, out[-3000:]

@@ -171,6 +171,12 @@ class SweeperImpl(Sweeper):
                 study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
             print(f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone; marked failed "
                   f"(interrupted){', re-queued once' if retry else ''}", flush=True)
+        if spec.resume.stale == "retry":
+            for trial in ledger.unretried_interrupts(study.get_trials(deepcopy=False)):
+                # A second signal ended the sweep between marking the trial and queuing it again.
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
+                print(f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once",
+                      flush=True)
         if self.tracker is not None:
             finished = study.get_trials(deepcopy=False, states=ledger.FINISHED)
             interrupted = {k for k in study.user_attrs if k.startswith("interrupted.")}

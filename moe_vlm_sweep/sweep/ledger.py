@@ -75,6 +75,13 @@ def retried_numbers(trials: Iterable[FrozenTrial]) -> set[int]:
     return {int(t.user_attrs["retry_of"]) for t in trials if "retry_of" in t.user_attrs}
 
 
+def unretried_interrupts(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """Launched trials a signal interrupted (failure class ``interrupted``) that no retry re-runs yet."""
+    retried = retried_numbers(trials)
+    return [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("failure_class") == "interrupted"
+            and t.user_attrs.get("claim") == "launch" and "retry_of" not in t.user_attrs and t.number not in retried]
+
+
 def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
     """Finished trials that count toward ``sweep.n_trials``: not duplicates, not interrupted-and-retried."""
     retried = retried_numbers(trials)
