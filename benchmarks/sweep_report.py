@@ -1,5 +1,8 @@
 """Commit a sweep's results: its Optuna trials (CSV), its MLflow runs (JSON) and a markdown table of the best.
 
+For plots and a page to read, ``moe-vlm-sweep report`` (``moe_vlm_sweep/export/report.py``); this script writes
+the plain files a results folder commits, and the confirmed winner against a baseline.
+
 Reads the study and the MLflow store the sweep wrote under ``--outputs`` (as brought back from the GPU machine).
 The table's numbers come from the trials' MLflow metrics (the trial's metrics.json, as logged), so the markdown
 says what MLflow says. With ``--baseline FILE:NAME`` (a ``compare_configs.py`` JSON measured on the same machine as
@@ -14,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
 import optuna
 
+from moe_vlm_sweep.export.report import failure_counts
 from moe_vlm_sweep.sweep.study import open_storage
 from moe_vlm_sweep.tracking.mlflow_sink import default_uri, export_study_runs
 
@@ -72,8 +75,7 @@ def table(study: optuna.Study, runs: list[dict], top: int) -> str:
 
 
 def outcomes(study: optuna.Study) -> str:
-    counts = Counter(t.user_attrs.get("failure_class", t.state.name.lower()) for t in study.trials)
-    return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+    return ", ".join(f"{n} {c}" for c, n in sorted(failure_counts(study).items()))
 
 
 def baseline_mfu(baseline: str, runs: list[dict]) -> tuple[str, float, str]:

@@ -7,6 +7,7 @@
     moe-vlm-sweep best [STUDY]        export the best trials of a sweep and print how to re-run them
     moe-vlm-sweep verify [STUDY | OVERRIDES] [--against OVERRIDES] [--steps N]
                                       train a candidate and its reference on the same batches, compare losses
+    moe-vlm-sweep report [STUDY]      an HTML report of a sweep (plots, top configs, failures) under its folder
     moe-vlm-sweep ui [--port N]       the MLflow UI of the sweeps (outputs/mlflow.db) on 127.0.0.1
 
 check and run take --config-dir DIR (or hydra.searchpath=[file:///DIR]): a folder of your own config group
@@ -21,6 +22,24 @@ from typing import Sequence
 
 USAGE = "usage: moe-vlm-sweep COMMAND [ARGS]\n\n" + __doc__.split("\n\n", 1)[1].strip()
 EXIT_INVALID = 2
+HELP = {
+    "check": """usage: moe-vlm-sweep check [OVERRIDES...]
+
+Compose the config from conf/ with Hydra OVERRIDES (model=small batch.mbs=2 ...), validate it against every
+rule and print the resolved plan (layout, batch, memory estimate). Exit 0: valid; 2: invalid, with the knob,
+the value and the rule. Nothing runs. --config-dir DIR (or hydra.searchpath=[file:///DIR]) adds a folder of your
+own config group files, searched after the packaged ones; run takes it too.""",
+    "run": """usage: moe-vlm-sweep run [OVERRIDES...]
+       moe-vlm-sweep run -m sweep=SPACE [OVERRIDES...]
+       moe-vlm-sweep run -m KNOB=a,b [OVERRIDES...]
+
+Without -m: validate like check, then train in an isolated worker process under outputs/runs/ and print the
+result (exit 0 ok, 1 failed with its failure class, 2 invalid).
+With -m sweep=SPACE: an Optuna sweep over moe_vlm_sweep/conf/sweep/SPACE.yaml, tracked in MLflow; sweep.<knob>
+overrides its settings (sweep.n_trials=20). Re-running the same command resumes the study. Ctrl-C or SIGTERM
+stops it cleanly (exit 130 / 143) and says how to resume; a bad space or storage exits 2 before any trial.
+With -m KNOB=a,b: Hydra's grid sweep, each point a run. Hydra's own flags: run -m --hydra-help.""",
+}
 
 
 def _fail(message: str) -> int:
@@ -76,6 +95,12 @@ def run(overrides: Sequence[str]) -> int:
     return 0 if result.ok else 1
 
 
+def report(args: Sequence[str]) -> int:
+    from moe_vlm_sweep.export.report import main as report_main
+
+    return report_main(args)
+
+
 def best(args: Sequence[str]) -> int:
     from moe_vlm_sweep.export.command import main as best_main
 
@@ -94,7 +119,7 @@ def ui(args: Sequence[str]) -> int:
     return ui_main(args)
 
 
-COMMANDS = {"check": check, "run": run, "best": best, "verify": verify, "ui": ui}
+COMMANDS = {"check": check, "run": run, "best": best, "verify": verify, "report": report, "ui": ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,10 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         return _fail(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
+    if command in HELP and rest[:1] in (["-h"], ["--help"]):
+        print(HELP[command])
+        return 0
     if command in ("check", "run"):
-        if "-h" in rest or "--help" in rest:
-            print(USAGE)
-            return 0
         from hydra.errors import HydraException
 
         from moe_vlm_sweep.config.compose import CompositionError, config_dir_overrides

@@ -56,3 +56,17 @@ def test_export_writes_top_k_best_first(tmp_path):
 def test_two_objectives_rank_the_pareto_front():
     study = _study(["synthetic_images"] * 3, directions=("maximize", "minimize"))
     assert {t.number for t in ranked(study)} == {t.number for t in study.best_trials}
+
+
+def test_an_export_removes_the_runner_ups_it_no_longer_ranks(tmp_path):
+    study = _study(["synthetic_images"] * 3)
+    export(study, sweep_dir=tmp_path / "s", conf_dir=tmp_path, top_k=2)
+    assert (tmp_path / "experiment" / f"{study.study_name}_t1.yaml").exists()
+    trial = study.ask()
+    trial.suggest_int("batch.mbs", 1, 8)
+    trial.set_user_attr("overrides", [f"batch.mbs={trial.params['batch.mbs']}"])
+    trial.set_user_attr("data_realism", "synthetic_images")
+    study.tell(trial, 9.0)
+    export(study, sweep_dir=tmp_path / "s", conf_dir=tmp_path, top_k=2)
+    names = sorted(p.name for p in (tmp_path / "experiment").glob(f"{study.study_name}_*.yaml"))
+    assert names == [f"{study.study_name}_best.yaml", f"{study.study_name}_t2.yaml"]

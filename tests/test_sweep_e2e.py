@@ -51,7 +51,8 @@ def _assert_consistent(study: optuna.Study, runs: list, n_trials: int) -> None:
 @pytest.mark.slow
 def test_cpu_demo_sweep_tracks_exports_and_reproduces(tmp_path):
     conf = private_conf(tmp_path)
-    out = cli(["run", "-m", "sweep=cpu_demo", "sweep.n_trials=6", *FAST_TRAIN], cwd=tmp_path, conf=conf).stdout
+    profiled = [o for o in FAST_TRAIN if not o.startswith("train.profile_steps")] + ["train.profile_steps=1"]
+    out = cli(["run", "-m", "sweep=cpu_demo", "sweep.n_trials=6", *profiled], cwd=tmp_path, conf=conf).stdout
     assert "[trial 6/6]" in out and "rank  trial" in out  # a duplicate sample adds a line, not a run
     study = only_study(tmp_path)
     runs = mlflow_runs(tmp_path)
@@ -64,6 +65,9 @@ def test_cpu_demo_sweep_tracks_exports_and_reproduces(tmp_path):
     assert child.data.tags["moe_vlm_sweep.data_realism"] == "synthetic_images"
     assert child.data.tags["moe_vlm_sweep.failure_class"] == "ok" and "moe_vlm_sweep.git_commit" in child.data.tags
     assert child.data.params["model.name"] == "tiny" and "effective_tokens_per_s_per_gpu" in child.data.metrics
+    assert child.info.run_name.startswith(f"trial-{study.best_trial.number} batch.mbs=")
+    assert study.metric_names == ["effective_tokens_per_s_per_gpu"]
+    _assert_reported(tmp_path, study, runs, child, out)
 
     best = cli(["best"], cwd=tmp_path, conf=conf).stdout
     assert "data realism synthetic_images" in best
@@ -73,6 +77,29 @@ def test_cpu_demo_sweep_tracks_exports_and_reproduces(tmp_path):
     rerun_dir = Path(tmp_path / rerun.split("run dir: ")[1].split()[0])
     trial_dir = Path(tmp_path / study.best_trial.user_attrs["run_dir"])
     assert (rerun_dir / "config.yaml").read_text() == (trial_dir / "config.yaml").read_text()
+
+
+def _assert_reported(tmp_path: Path, study: optuna.Study, runs: list, child, out: str) -> None:
+    """The sweep's report: its HTML embeds non-blank plots, and the parent run carries them and the best so far."""
+    import matplotlib.image
+    from mlflow.tracking import MlflowClient
+
+    report = tmp_path / "outputs" / "sweeps" / study.study_name / "report"
+    assert f"report: {report.relative_to(tmp_path)}/index.html" in out or f"report: {report}" in out, out[-2000:]
+    page = (report / "index.html").read_text()
+    for png in ("history.png", "importances.png", "outcomes.png", "components.png"):
+        pixels = matplotlib.image.imread(report / png)
+        assert pixels.std() > 0.05, f"{png} is blank"
+    assert page.count("data:image/png;base64,") == 4 and f"#{study.best_trial.number}" in page
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    parent = next(r for r in runs if r.data.tags.get("moe_vlm_sweep.role") == "parent")
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "report")} >= {
+        "report/index.html", "report/history.png"}
+    best = client.get_metric_history(parent.info.run_id, "best.effective_tokens_per_s_per_gpu")
+    assert best and best[-1].value == pytest.approx(study.best_value)
+    assert "plan.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
+    again = cli(["report", "--out", str(tmp_path / "again")], cwd=tmp_path, conf=tmp_path / "conf").stdout
+    assert "report: " in again and (tmp_path / "again" / "components.png").stat().st_size > 10_000
 
 
 def test_invalid_configs_are_never_launched(tmp_path):

@@ -41,6 +41,8 @@ def test_parse_param(raw, kind, extra):
     ({"type": "float", "low": "a", "high": 1}, "sweep.params.k.low='a' must be a number"),
     ({"type": "categorical", "choices": []}, "sweep.params.k.choices must list at least one value"),
     ({"type": "int", "low": 1, "high": 2, "lo": 3}, "unknown field(s) lo"),
+    ({"type": "categorical", "choises": [1, 2]}, "sweep.params.k: unknown field(s) choises for type categorical"),
+    ({"type": "int", "low": 1, "high": 2, "choices": [1]}, "unknown field(s) choices for type int"),
     ({"type": "int", "low": 1, "high": 2, "when": {"nope": 1}}, "names 'nope', which is not a param listed before"),
 ])
 def test_parse_param_errors_name_the_knob(raw, message):

@@ -12,12 +12,19 @@ validation, no MLflow, the task's return value is the objective.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import shlex
+import signal
 import sys
+import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Any, List, Optional
 
 import optuna
+import sqlalchemy.exc
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
@@ -28,11 +35,13 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.launch import slurm
-from moe_vlm_sweep.sweep import early_stop, ledger, progress
+from moe_vlm_sweep.sweep import early_stop, ledger, preflight, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
+from moe_vlm_sweep.sweep.devices import held as devices_held
 from moe_vlm_sweep.sweep.space import Space, fixed_overrides
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, SweepSpecError, load_spec
-from moe_vlm_sweep.sweep.study import exploring, neighbor_of_best, open_study, storage_url, study_name
+from moe_vlm_sweep.sweep.study import (StorageError, exploring, neighbor_of_best, open_study, storage_problem,
+                                       storage_url, study_name)
 from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_refused_submission, is_run_config,
                                        outcome_of_lost_job, outcome_of_result, outcome_of_value, plan_trial,
                                        run_overrides)
@@ -41,6 +50,25 @@ MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
 _LAUNCH_FAILURES = ("oom", "crash", "timeout", "nan")
 _TELL_STATE = {"pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
+EXIT_INVALID = 2
+EXIT_STOPPED = 1
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the sweep. A BaseException, like KeyboardInterrupt, so it passes through
+    Hydra's launcher (which keeps a task's Exception as its result) and the local launcher (which ends the
+    worker's process group on the way)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    # The first signal stops the sweep cleanly; a second one (an impatient Ctrl-C) ends the process at once.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Interrupted(signum)
 
 
 def _key(override: str) -> str:
@@ -57,6 +85,13 @@ class SweeperImpl(Sweeper):
         self.stop_reason: Optional[str] = None
         """Set by a trial whose outcome must end the sweep (mixed data realism); the loop raises it."""
         self.budget = TimeBudget(None)
+        self.current: Optional[optuna.Trial] = None
+        """The trial this process runs now, for an interrupting signal to mark."""
+        self.study: Optional[optuna.Study] = None
+        self.spec: Optional[SweepConf] = None
+        self.storage: Optional[str] = None
+        self.trial_seconds: list[float] = []
+        """Wall seconds of each trial this process launched, for the time-left estimate."""
 
     # --- setup of one sweep -------------------------------------------------------------------------------
 
@@ -88,6 +123,15 @@ class SweeperImpl(Sweeper):
         tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": url})
         return tracker
 
+    def _lost_study(self, name: str) -> Optional[str]:
+        """Why a new study must not be created under ``name``: MLflow already holds trials of it."""
+        from moe_vlm_sweep.tracking import mlflow_sink
+
+        tracking = self.config.tracking
+        uri = tracking.tracking_uri or mlflow_sink.default_uri(self.config.outputs_dir)
+        found = mlflow_sink.recorded_trials(tracking_uri=uri, experiment=tracking.experiment, study_name=name)
+        return f"MLflow ({uri}) holds {found} trial run(s) of it" if found else None
+
     def _check_slurm_job(self, base: List[str]) -> None:
         """Before anything is submitted: the Slurm job must hold the runs' process group and timeout."""
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(base))
@@ -100,8 +144,24 @@ class SweeperImpl(Sweeper):
 
     # --- resume -------------------------------------------------------------------------------------------
 
+    def _adopt(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, spec: SweepConf) -> bool:
+        """Tell the result a killed sweep's trial left in its run directory (its worker finished); False if none."""
+        found = ledger.finished_run(trial, Path(self.config.outputs_dir) / "runs") if self.project else None
+        if found is None:
+            return False
+        outcome = outcome_of_result(found, spec.objective)
+        try:
+            self._tell(study, optuna.trial.Trial(study, trial._trial_id), outcome)
+        except (RuntimeError, ValueError):
+            return True  # another worker adopted it first
+        print(f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone, but its run finished "
+              f"({outcome.failure_class}, {found.run_dir}); its result is kept", flush=True)
+        return True
+
     def _recover(self, study: optuna.Study, spec: SweepConf) -> None:
         for trial in ledger.stale_trials(study, spec.resume.stale_after_s):
+            if self._adopt(study, trial, spec):
+                continue
             try:
                 study.tell(trial.number, state=TrialState.FAIL)
             except (RuntimeError, ValueError):
@@ -113,6 +173,12 @@ class SweeperImpl(Sweeper):
                 study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
             print(f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone; marked failed "
                   f"(interrupted){', re-queued once' if retry else ''}", flush=True)
+        if spec.resume.stale == "retry":
+            for trial in ledger.unretried_interrupts(study.get_trials(deepcopy=False)):
+                # A second signal ended the sweep between marking the trial and queuing it again.
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
+                print(f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once",
+                      flush=True)
         if self.tracker is not None:
             finished = study.get_trials(deepcopy=False, states=ledger.FINISHED)
             interrupted = {k for k in study.user_attrs if k.startswith("interrupted.")}
@@ -160,10 +226,20 @@ class SweeperImpl(Sweeper):
             tags = {"moe_vlm_sweep.data_realism": plan.run_config.data.realism,
                     "moe_vlm_sweep.hardware": plan.run_config.hardware.name,
                     "moe_vlm_sweep.recipe": plan.recipe["fingerprint"]}
-            run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags)
+            run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags,
+                                              label=progress.config_text(trial.params))
             trial.set_user_attr("mlflow_run_id", run_id)
+        on_host = self.project and not slurm.is_submitit(self.config.hydra.launcher)
+        gpus = plan.run_config.launcher.nproc_per_node if plan and plan.device == "cuda" else 0
+        devices = (devices_held(gpus=gpus, say=lambda line: print(f"[trial #{trial.number}] {line}", flush=True))
+                   if on_host else contextlib.nullcontext(""))
+        tail = (progress.StepTail(Path(self.config.outputs_dir) / "runs", trial.number) if on_host
+                else contextlib.nullcontext())
         watch = early_stop.EarlyStop.for_trial(study, trial, spec) if self.project else None
-        with ledger.Heartbeat(trial, spec.resume.heartbeat_s), early_stop.watching(watch):
+        with (ledger.Heartbeat(trial, spec.resume.heartbeat_s), early_stop.watching(watch), devices as holding,
+              tail):
+            if holding:
+                trial.set_user_attr("devices", holding)
             try:
                 job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
             except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job; the study must not
@@ -210,8 +286,11 @@ class SweeperImpl(Sweeper):
             if run_id is None:
                 run_id = self.tracker.start_trial(trial.number, params={"sampled": trial.params}, tags={})
             tags = {f"moe_vlm_sweep.{k}": v for k, v in attrs.items() if v and k != "failure_class"}
-            self.tracker.finish_trial(run_id, failure_class=outcome.failure_class, tags=tags,
-                                      metrics=outcome.metrics, run_dir=outcome.run_dir)
+            problem = self.tracker.finish_trial(run_id, failure_class=outcome.failure_class, tags=tags,
+                                                metrics=outcome.metrics, run_dir=outcome.run_dir)
+            if problem:
+                print(f"warning: trial #{trial.number}'s MLflow run could not be logged whole ({problem}); it is "
+                      "marked FAILED there, and the study keeps the trial's result", flush=True)
 
     # --- the loop -----------------------------------------------------------------------------------------
 
@@ -234,18 +313,81 @@ class SweeperImpl(Sweeper):
         return space, first
 
     def sweep(self, arguments: List[str]) -> Any:
-        spec = load_spec(self.config.get("sweep"))
+        """The sweep, with what stops it said in one line: a bad space or storage exits 2, a deliberate stop 1,
+        SIGINT/SIGTERM 130/143 after marking the running trial interrupted (the same command resumes)."""
+        if not self.project:
+            return self._sweep(arguments)
+        handlers = None
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._sweep(arguments)
+        except Interrupted as stop:
+            self._interrupted(stop)
+            raise SystemExit(128 + stop.signum) from None
+        except (SweepSpecError, StorageError) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INVALID) from None
+        except SweepError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_STOPPED) from None
+        except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+            url = self.storage or ""
+            print(f"error: {storage_problem(exc.__cause__ or exc, url)}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INVALID) from None
+        finally:
+            for sig, handler in (handlers or {}).items():
+                signal.signal(sig, handler)
+
+    def _resume_command(self) -> str:
+        return shlex.join(["moe-vlm-sweep", "run", "-m", *self.config.hydra.overrides.task])
+
+    def _interrupted(self, stop: Interrupted) -> None:
+        """Mark the running trial interrupted and queue it again, close its MLflow run and the parent as KILLED,
+        and say how to resume. Storage calls here may fail (the signal can come from a storage outage); what is
+        left RUNNING is then recovered by the next run."""
+        trial, study = self.current, self.study
+        where = ""
+        try:
+            finished = trial is not None and ledger.finished_run(trial, Path(self.config.outputs_dir) / "runs")
+            if finished and study is not None:  # the worker wrote its result before the signal: keep it
+                self._tell(study, trial, outcome_of_result(finished, self.spec.objective))
+                where = f"; trial #{trial.number} had finished and is kept"
+            elif trial is not None and study is not None:
+                self._tell(study, trial, Outcome(state="fail", failure_class="interrupted",
+                                                 reason=f"the sweep was stopped by {stop}"))
+                where = f"; trial #{trial.number} marked interrupted"
+                if trial.user_attrs.get("claim") == "launch" and "retry_of" not in trial.user_attrs:
+                    study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
+                    where += " and queued to run again"
+            if self.tracker is not None:
+                self.tracker.close_sweep("KILLED")
+        except Exception as exc:  # noqa: BLE001 -- the next run recovers what this could not record
+            where += f" (could not record it all: {type(exc).__name__}; the next run recovers it)"
+        print(f"sweep: stopped by {stop}{where}. Resume with: {self._resume_command()}", file=sys.stderr,
+              flush=True)
+
+    def _sweep(self, arguments: List[str]) -> Any:
+        spec = self.spec = load_spec(self.config.get("sweep"))
         self.budget = TimeBudget(spec.time_budget_s)
         base = self.job_overrides(spec, list(arguments))
         if self.project and slurm.is_submitit(self.config.hydra.launcher):
             self._check_slurm_job(base)
         space, first = self._parse(spec, base)
+        if self.project:
+            preflight.check_objective(spec.objective)
+            preflight.check_space(lambda o: self.hydra_context.config_loader.load_sweep_config(self.config, o),
+                                  space, base, first)
         choices = self.config.hydra.runtime.choices
         name = study_name(choices.get("sweep") or "sweep", spec, run_overrides(base))
         sweep_dir = self._sweep_dir(name)
-        url = storage_url(spec, sweep_dir)
-        study = open_study(name=name, url=url, spec=spec)
+        url = self.storage = storage_url(spec, sweep_dir)
+        study = self.study = open_study(name=name, url=url, spec=spec,
+                                        lost=(lambda: self._lost_study(name)) if self.project else None)
         study.set_user_attr("objective_metrics", spec.objective.metrics)
+        with warnings.catch_warnings():  # experimental in Optuna; it is how optuna-dashboard names the objectives
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names(spec.objective.metrics)
         self.tracker = self._open_tracker(name, url) if self.project else None
         where = url or "in memory (set sweep.storage to keep it)"
         print(f"sweep: study {name} ({spec.n_trials} trials, {' and '.join(spec.objective.directions)} "
@@ -271,20 +413,25 @@ class SweeperImpl(Sweeper):
                       f"{self.budget.why_not('another trial')}", flush=True)
                 return self._finish(study, spec, sweep_dir)
             with exploring(study, explorer, now=duplicates_in_a_row > 0):
-                trial = study.ask()
+                trial = self.current = study.ask()
                 ledger.own(trial)
                 if ledger.is_surplus(study.get_trials(deepcopy=False), trial.number, spec.n_trials,
                                      spec.resume.stale_after_s):
                     trial.set_user_attr("claim", "surplus")
                     self._tell(study, trial, Outcome(state="fail", failure_class="surplus",
                                                      reason="the study was full when this trial was asked"))
+                    self.current = None
                     break
                 sampled = space.suggest(trial)
             overrides = [*base, *Space.overrides(sampled)]
             trial.set_user_attr("overrides", run_overrides(overrides))
+            began = time.monotonic()
             with self.budget.timing():
                 outcome = self._run(study, trial, spec, overrides)
+            if outcome.run_dir:
+                self.trial_seconds.append(time.monotonic() - began)
             self._tell(study, trial, outcome)
+            self.current = None
             duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == "duplicate" else 0
             proposal = duplicates_in_a_row and neighbor_of_best(study, space, walker)
             if proposal:  # the next ask takes it; the explorer fills in any param it leaves out
@@ -292,11 +439,15 @@ class SweeperImpl(Sweeper):
             failures_in_a_row = (failures_in_a_row + 1 if outcome.failure_class in _LAUNCH_FAILURES
                                  else 0 if outcome.ok else failures_in_a_row)
             best = self._best(study)
-            print(progress.trial_line(done=len(ledger.counted(study.get_trials(deepcopy=False))),
+            done_now = len(ledger.counted(study.get_trials(deepcopy=False)))
+            if self.tracker is not None and best is not None and outcome.ok:
+                self.tracker.log_best(done_now, dict(zip(spec.objective.metrics, best.values)))
+            print(progress.trial_line(done=done_now,
                                       total=spec.n_trials, number=trial.number, sampled=sampled,
                                       failure_class=outcome.failure_class, values=outcome.values,
                                       reason=outcome.reason, metric_names=spec.objective.metrics, best=best,
-                                      proposed_as=trial.user_attrs.get("proposed_as", "")),
+                                      proposed_as=trial.user_attrs.get("proposed_as", ""),
+                                      left=progress.time_left(self.trial_seconds, spec.n_trials - done_now)),
                   flush=True)
             if self.stop_reason:
                 self._finish(study, spec, sweep_dir, status="FAILED")
@@ -408,7 +559,24 @@ class SweeperImpl(Sweeper):
                 unconfirmed = " (unconfirmed)" if held is None and spec.confirm else ""
                 print(f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
                       f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)
+        if self.project and top:
+            self._report(study, sweep_dir)
         if self.tracker is not None:
             if not ledger.in_flight(study.get_trials(deepcopy=False), spec.resume.stale_after_s):
                 self.tracker.close_sweep(status)
         return top
+
+    def _report(self, study: optuna.Study, sweep_dir: Path) -> None:
+        """The HTML report (``moe-vlm-sweep report``) under the sweep's folder and on the MLflow parent run."""
+        from moe_vlm_sweep.export.report import REPORT_DIR, write_report
+
+        out = sweep_dir / REPORT_DIR
+        try:
+            path = write_report(study, out, links=[f"moe-vlm-sweep ui --outputs {self.config.outputs_dir}"])
+            if self.tracker is not None:
+                self.tracker.log_sweep_files(out, REPORT_DIR)
+        except Exception as exc:  # noqa: BLE001 -- a report that cannot be drawn must not fail a finished sweep
+            print(f"warning: the report could not be written ({type(exc).__name__}: {exc}); "
+                  f"moe-vlm-sweep report {study.study_name} tries again", flush=True)
+            return
+        print(f"report: {path}", flush=True)

@@ -115,6 +115,10 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
                   f"data realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n")
         write_atomic(conf_dir / "experiment" / f"{name}.yaml", experiment_yaml(overrides, header=header))
         exported.append(Exported(rank=rank, trial=trial, experiment=name, overrides=overrides))
+    kept = {f"{e.experiment}.yaml" for e in exported}
+    for stale in (conf_dir / "experiment").glob(f"{study.study_name}_t*.yaml"):
+        if stale.name not in kept:  # a runner-up of an earlier export that this one no longer ranks
+            stale.unlink()
     if exported:
         best = exported[0]
         write_atomic(out / "overrides.yaml", "".join(f"- {shlex.quote(o)}\n" for o in best.overrides) or "[]\n")

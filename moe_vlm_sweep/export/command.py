@@ -23,13 +23,18 @@ from moe_vlm_sweep.export.confirm import table as confirm_table
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.progress import table
 from moe_vlm_sweep.sweep.spec import SweepSpecError
-from moe_vlm_sweep.sweep.study import open_storage
+from moe_vlm_sweep.sweep.study import StorageError, open_storage
 
 
 def _find_study(outputs: Path, name: str | None, storage: str | None) -> tuple[str, str]:
     """(study name, storage URL): the given ones, or the single study under ``outputs/sweeps``."""
     if storage is None and name is not None:
-        storage = f"sqlite:///{(outputs / 'sweeps' / name / 'optuna.db').resolve()}"
+        db = outputs / "sweeps" / name / "optuna.db"
+        if not db.is_file():
+            found = ", ".join(p.parent.name for p in sorted((outputs / "sweeps").glob("*/optuna.db"))) or "none"
+            raise ExportError(f"no study {name!r} under {outputs / 'sweeps'} (studies there: {found}); name one of "
+                              "them, or give --storage URL for a study kept elsewhere")
+        storage = f"sqlite:///{db.resolve()}"
     if storage is not None:
         if name is None:
             names = optuna.get_all_study_names(storage=open_storage(storage))
@@ -90,7 +95,11 @@ def main(argv: Sequence[str]) -> int:
                           confirmed=held.trial if held else None, recipe=args.recipe)
         realism = realism_of([e.trial for e in exported])
         mixed = recipes.note(study, recipes.chosen(study, args.recipe), explicit=args.recipe is not None)
-    except (ExportError, SweepSpecError, KeyError, recipes.RecipeError) as exc:
+    except KeyError:
+        print(f"error: no study {name!r} in {storage}; list them with optuna studies --storage {storage}",
+              file=sys.stderr)
+        return 2
+    except (ExportError, SweepSpecError, StorageError, recipes.RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not exported:

@@ -9,6 +9,9 @@ Optuna stores the trials; these user attributes, written by the sweeper, give th
 - ``failure_class`` / ``reason``: the outcome, for people, MLflow and ``best``.
 - ``retry_of``: on a trial re-running an interrupted one (``sweep.resume.stale=retry``); the interrupted
   trial then no longer counts toward ``sweep.n_trials``.
+
+A stale trial whose run finished anyway (the sweep was killed while its worker wrote the result) is found by its
+run directory (:func:`finished_run`) and its result kept, never measured again.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
+
+from moe_vlm_sweep.launch.local import classify
+from moe_vlm_sweep.launch.result import RunResult
+from moe_vlm_sweep.launch.run_dir import RESULT_FILE
+from moe_vlm_sweep.metrics.schema import FAILURE_FILE, METRICS_FILE
+from moe_vlm_sweep.plan.plan import RunPlan
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 CLAIM_WAIT_S = 60.0
@@ -63,6 +73,13 @@ def is_stale(trial: FrozenTrial, stale_after_s: float, now: Optional[float] = No
 
 def retried_numbers(trials: Iterable[FrozenTrial]) -> set[int]:
     return {int(t.user_attrs["retry_of"]) for t in trials if "retry_of" in t.user_attrs}
+
+
+def unretried_interrupts(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """Launched trials a signal interrupted (failure class ``interrupted``) that no retry re-runs yet."""
+    retried = retried_numbers(trials)
+    return [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("failure_class") == "interrupted"
+            and t.user_attrs.get("claim") == "launch" and "retry_of" not in t.user_attrs and t.number not in retried]
 
 
 def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
@@ -153,3 +170,36 @@ class Heartbeat:
         self._stop.set()
         self._thread.join()
 
+
+
+def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> Optional[RunResult]:
+    """The result of ``trial``'s run if it finished, else None (a stale trial's, or this process's own when a
+    signal stops it just after its worker wrote the result).
+
+    The task names a trial's run directory ``<time>-job<number>-<random>`` (``sweep/app.py``); the one of this
+    trial is the one made after the trial started whose plan ran the trial's overrides. Its ``result.json``
+    is the launcher's verdict; without it (the sweep died before writing it) the worker's own ``metrics.json``
+    or ``failure.json`` is classified as the launcher would have, and ``result.json`` written."""
+    started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
+    overrides = trial.user_attrs.get("overrides")
+    if overrides is None or not runs_dir.is_dir():
+        return None
+    for run_dir in sorted(runs_dir.glob(f"*-job{trial.number}-*"), reverse=True):
+        try:
+            if run_dir.stat().st_mtime < started - 1 or RunPlan.read(run_dir / "plan.json").overrides != overrides:
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if (run_dir / RESULT_FILE).exists():
+            result = RunResult.read(run_dir)
+        elif (run_dir / METRICS_FILE).exists() or (run_dir / FAILURE_FILE).exists():
+            plan = RunPlan.read(run_dir / "plan.json")
+            result = classify(run_dir, 0 if (run_dir / METRICS_FILE).exists() else 1, False,
+                              plan.run_config.train.timeout_s)
+            result.run_dir = str(run_dir)
+            result.write(run_dir)
+        else:
+            return None
+        result.run_dir = str(run_dir)
+        return result
+    return None

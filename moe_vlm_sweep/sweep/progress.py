@@ -1,7 +1,11 @@
-"""What a person watching a sweep reads: one line per trial, then a table of the best trials."""
+"""What a person watching a sweep reads: the running trial's steps, one line per trial, then a table of the best
+trials."""
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from optuna.trial import FrozenTrial
@@ -11,10 +15,71 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
+def config_text(sampled: dict[str, Any]) -> str:
+    """A trial's searched knobs as one line (``batch.mbs=2 recompute=none``)."""
+    return " ".join(f"{k}={v}" for k, v in sampled.items())
+
+
+def time_left(seconds_per_trial: Sequence[float], remaining: int) -> str:
+    """`` | about 12 min left`` at this process's pace so far (other workers of the study make it shorter)."""
+    if not seconds_per_trial or remaining <= 0:
+        return ""
+    left = sum(seconds_per_trial) / len(seconds_per_trial) * remaining
+    return f" | about {left / 60:.0f} min left" if left >= 90 else f" | about {left:.0f} s left"
+
+
+class StepTail:
+    """Echoes the step lines (``[step ...]``) the running trial's worker writes to its ``worker.log`` onto the
+    sweep's console, from a daemon thread: the run directory is the task's (``<time>-job<number>-*`` under
+    ``runs_dir``), made after this starts."""
+
+    def __init__(self, runs_dir: Path, number: int, interval_s: float = 2.0):
+        self.runs_dir, self.number, self.interval_s = runs_dir, number, interval_s
+        self.began, self.offset, self.log = time.time() - 1, 0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name=f"steps-{number}", daemon=True)
+
+    def _find(self) -> Optional[Path]:
+        found = [d for d in self.runs_dir.glob(f"*-job{self.number}-*") if d.stat().st_mtime >= self.began]
+        return max(found, key=lambda d: d.stat().st_mtime) / "worker.log" if found else None
+
+    def _echo(self) -> None:
+        self.log = self.log or self._find()
+        if self.log is None or not self.log.exists():
+            return
+        with open(self.log, "rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            if line.startswith("[step "):
+                print(f"  trial #{self.number} {line}", flush=True)
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._echo()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "StepTail":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._echo()  # the steps of the last interval
+        except OSError:
+            pass
+
+
 def trial_line(*, done: int, total: int, number: int, sampled: dict[str, Any], failure_class: str,
                values: Optional[Sequence[float]], reason: str, metric_names: Sequence[str],
-               best: Optional[FrozenTrial], proposed_as: str = "") -> str:
-    config = " ".join(f"{k}={v}" for k, v in sampled.items()) or "(no searched knobs)"
+               best: Optional[FrozenTrial], proposed_as: str = "", left: str = "") -> str:
+    config = config_text(sampled) or "(no searched knobs)"
     if proposed_as:
         config += f" ({proposed_as})"
     if values is not None:
@@ -25,7 +90,7 @@ def trial_line(*, done: int, total: int, number: int, sampled: dict[str, Any], f
     line = f"[trial {done}/{total}] #{number} {config} -> {result}"
     if best is not None:
         line += f" | best #{best.number} " + " ".join(f"{n}={_fmt(v)}" for n, v in zip(metric_names, best.values))
-    return line
+    return line + left
 
 
 def table(trials: Sequence[FrozenTrial], metric_names: Sequence[str], *, realism: Optional[str]) -> str:

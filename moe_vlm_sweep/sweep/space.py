@@ -128,10 +128,20 @@ def _number(param: str, spec: Mapping[str, Any], name: str) -> float:
     return value
 
 
+_FIELDS = {"categorical": ("choices",), "int": ("low", "high", "step", "log"),
+           "float": ("low", "high", "step", "log")}
+"""The fields each param type takes besides ``type`` and ``when``."""
+
+
 def parse_param(key: str, raw: Any, earlier: Sequence[str]) -> Param:
     spec = {"type": "categorical", "choices": list(raw)} if isinstance(raw, (list, tuple)) else dict(raw or {})
     kind = spec.pop("type", None)
     when = tuple(_condition(key, k, v, earlier) for k, v in dict(spec.pop("when", None) or {}).items())
+    allowed = _FIELDS.get(kind)
+    unknown = sorted(set(spec) - set(allowed or ()))
+    if allowed is not None and unknown:  # before any missing field: a misspelled one is why it is missing
+        raise SweepSpecError(f"sweep.params.{key}: unknown field(s) {', '.join(map(str, unknown))} for type {kind} "
+                             f"(allowed: type, when, {', '.join(allowed)})")
     if kind == "categorical":
         choices = spec.pop("choices", None)
         if not choices:
@@ -151,9 +161,6 @@ def parse_param(key: str, raw: Any, earlier: Sequence[str]) -> Param:
     else:
         raise SweepSpecError(f"sweep.params.{key}.type={kind!r} must be categorical, int or float "
                              "(or give a list of choices)")
-    if spec:
-        raise SweepSpecError(f"sweep.params.{key}: unknown field(s) {', '.join(sorted(spec))} "
-                             "(allowed: type, choices, low, high, step, log, when)")
     return param
 
 

@@ -48,9 +48,10 @@ class ObjectiveConf:
 
 @dataclass(kw_only=True)
 class ResumeConf:
-    stale: str = "fail"
-    """What happens to a trial a killed sweep left RUNNING: ``fail`` (counted, never re-run) or ``retry``
-    (re-run once with the same params; the interrupted trial then no longer counts)."""
+    stale: str = "retry"
+    """What happens to a trial a killed sweep left RUNNING whose run did not finish: ``retry`` (re-run once with
+    the same params; the interrupted trial then no longer counts) or ``fail`` (counted, never re-run). A run
+    that finished (its result in the run directory) is kept either way."""
     heartbeat_s: float = 30.0
     """How often a running trial records that its sweep process is alive."""
     stale_after_s: float = 600.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import math
 import time
 from pathlib import Path
@@ -23,10 +24,12 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 TAG = "moe_vlm_sweep."
-ARTIFACTS = ("config.yaml", "overrides.yaml", "command.sh", "worker.log", "metrics.json", "failure.json",
-             "result.json", "kernels.txt")
+ARTIFACTS = ("config.yaml", "overrides.yaml", "plan.json", "command.sh", "worker.log", "metrics.json",
+             "failure.json", "result.json", "kernels.txt")
 _STATUS = {"ok": "FINISHED", "interrupted": "KILLED", "duplicate": "KILLED", "surplus": "KILLED"}
 """MLflow run status per failure class: KILLED for trials that never ran to the end without being at fault."""
+EXPERIMENT_KIND = "mlflow.experimentKind"
+"""The experiment tag MLflow's UI reads to choose its view (``custom_model_development``: training runs)."""
 _BATCH = 100  # MLflow's limit on params (and tags) per log_batch call
 
 
@@ -93,12 +96,15 @@ class SweepTracker:
 
     def _experiment(self, name: str, artifact_root: str) -> str:
         found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=artifact_root)
-        except MlflowException:  # another worker created it first
-            return self.client.get_experiment_by_name(name).experiment_id
+        if found is None:
+            try:
+                self.client.create_experiment(name, artifact_location=artifact_root)
+            except MlflowException:  # another worker created it first
+                pass
+            found = self.client.get_experiment_by_name(name)
+        if EXPERIMENT_KIND not in found.tags:  # the UI then opens on runs and charts, not its GenAI view
+            self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+        return found.experiment_id
 
     def _search(self, filter_string: str) -> list:
         runs, token = [], None
@@ -151,28 +157,56 @@ class SweepTracker:
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
 
-    def start_trial(self, number: int, *, params: Mapping[str, Any], tags: Mapping[str, str]) -> str:
-        """Open the trial's child run before it launches (so a kill leaves a trace reconcile can close)."""
-        run = self.client.create_run(self.experiment_id, run_name=f"{self.study_name}/trial-{number}", tags={
+    def log_sweep_files(self, folder: Path, artifact_path: str) -> None:
+        """A folder's files (the report) as artifacts of the parent run."""
+        self.client.log_artifacts(self.parent_id, str(folder), artifact_path)
+
+    def log_best(self, step: int, values: Mapping[str, float]) -> None:
+        """The best values so far on the parent run, one point per finished trial, so its chart view shows the
+        search converging."""
+        now = int(time.time() * 1000)
+        self._log(self.parent_id, metrics=[Metric(f"best.{k}", float(v), now, step) for k, v in values.items()])
+
+    def start_trial(self, number: int, *, params: Mapping[str, Any], tags: Mapping[str, str],
+                    label: str = "") -> str:
+        """Open the trial's child run before it launches (so a kill leaves a trace reconcile can close). Its name
+        is the trial's number and sampled knobs (``label``), what a person scans the run list for."""
+        name = f"trial-{number} {label}".strip()[:250]
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={
             **self.static_tags, "mlflow.parentRunId": self.parent_id, f"{TAG}study": self.study_name,
             f"{TAG}role": "trial", f"{TAG}trial": str(number), **tags})
         self._log(run.info.run_id, params=flatten(params))
         return run.info.run_id
 
     def finish_trial(self, run_id: str, *, failure_class: str, tags: Mapping[str, str] = {},
-                     metrics: Optional[Mapping[str, Any]] = None, run_dir: Optional[str] = None) -> None:
-        self._log(run_id, tags={f"{TAG}failure_class": failure_class, **tags},
-                  metrics=_metrics(metrics or {}, int(time.time() * 1000)))
-        if run_dir:
-            for name in ARTIFACTS:
-                path = Path(run_dir) / name
-                if path.is_file():
-                    self.client.log_artifact(run_id, str(path))
+                     metrics: Optional[Mapping[str, Any]] = None, run_dir: Optional[str] = None) -> Optional[str]:
+        """Log the trial's outcome and close its run. If logging fails part way (a full disk, a lost server), the
+        run is closed FAILED with the reason as a tag, never FINISHED without its metrics; returns the reason
+        (None when all was logged)."""
+        try:
+            self._log(run_id, tags={f"{TAG}failure_class": failure_class, **tags},
+                      metrics=_metrics(metrics or {}, int(time.time() * 1000)))
+            if run_dir:
+                for name in ARTIFACTS:
+                    path = Path(run_dir) / name
+                    if path.is_file():
+                        self.client.log_artifact(run_id, str(path))
+        except (OSError, MlflowException) as exc:
+            problem = f"{type(exc).__name__}: {exc}"[:500]
+            try:
+                self.client.set_tag(run_id, f"{TAG}tracking_error", problem)
+            except (OSError, MlflowException):
+                pass
+            self.client.set_terminated(run_id, status="FAILED")
+            return problem
         self.client.set_terminated(run_id, status=_STATUS.get(failure_class, "FAILED"))
+        return None
 
     def reconcile(self, trials: Iterable[Any], describe) -> int:
         """Make every finished trial's child exist and be closed; ``describe(trial)`` gives its failure class,
-        params and tags. Returns how many runs were closed or added."""
+        params and tags. A successful trial's metrics are logged from its run directory's ``result.json``; one
+        whose metrics cannot be found is closed FAILED (tagged ``tracking_error``), not FINISHED without them.
+        Returns how many runs were closed or added."""
         children, fixed = self.children(), 0
         for trial in trials:
             failure_class, params, tags = describe(trial)
@@ -183,12 +217,55 @@ class SweepTracker:
                 run_id = run.info.run_id
             else:
                 continue
-            self.finish_trial(run_id, failure_class=failure_class, tags=tags)
+            run_dir = trial.user_attrs.get("run_dir")
+            metrics = _result_metrics(run_dir)
+            if failure_class == "ok" and not metrics:
+                self.client.set_tag(run_id, f"{TAG}tracking_error", f"the trial's metrics were not found in "
+                                                                     f"{run_dir}/result.json")
+                self.finish_trial(run_id, failure_class="crash", tags={**tags, f"{TAG}failure_class": "ok"})
+            else:
+                self.finish_trial(run_id, failure_class=failure_class, tags=tags, metrics=metrics, run_dir=run_dir)
             fixed += 1
         return fixed
 
     def close_sweep(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.parent_id, status=status)
+
+
+def _result_metrics(run_dir: Optional[str]) -> dict[str, Any]:
+    """The metrics of a run's ``result.json`` (empty when there is none)."""
+    try:
+        return json.loads((Path(run_dir) / "result.json").read_text()).get("metrics") or {} if run_dir else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def log_report(*, tracking_uri: str, experiment: str, study_name: str, folder: Path) -> Optional[str]:
+    """Log a report's files as artifacts ``report/`` of the study's parent run; its id, or None without one."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = client.search_runs([found.experiment_id], max_results=1, run_view_type=ViewType.ACTIVE_ONLY,
+                              filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'parent'",
+                              order_by=["attributes.start_time ASC"])
+    if not runs:
+        return None
+    client.log_artifacts(runs[0].info.run_id, str(folder), "report")
+    return runs[0].info.run_id
+
+
+def recorded_trials(*, tracking_uri: str, experiment: str, study_name: str) -> int:
+    """How many trial runs MLflow holds for ``study_name`` (0 when there is no such experiment or study); asked
+    before a study is created, so an emptied Optuna database is noticed instead of started over."""
+    with sqlite_init_lock(tracking_uri):
+        client = MlflowClient(tracking_uri=tracking_uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return 0
+        runs = client.search_runs([found.experiment_id], max_results=1000, run_view_type=ViewType.ACTIVE_ONLY,
+                                  filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'trial'")
+    return len(runs)
 
 
 def export_study_runs(*, tracking_uri: str, experiment: str, study_name: str) -> list[dict[str, Any]]:

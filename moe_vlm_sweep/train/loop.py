@@ -356,6 +356,7 @@ class Trainer:
                 if phase != "census":  # a measurement of memory: its loss would make runs differ in length
                     self._reduce(step, microbatches, result)
                     result.phases.append(phase)
+                    _progress_line(step, len(schedule), phase, elapsed, result)
                 if phase == "measured":
                     on_measured(elapsed, result.batches[-1])
                 if self.cfg.cuda_graph.impl == "local" and step == 0:
@@ -409,3 +410,13 @@ class _Restore:
 
     def __init__(self, undo: Callable[[], None]):
         self.remove = undo
+
+
+def _progress_line(step: int, steps: int, phase: str, elapsed: float, result: TrainResult) -> None:
+    """One line per step in the worker's log (rank 0), so a person (or the sweep's console) sees a trial train:
+    the step's time and its real tokens per second over the world, with the loss."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tokens = result.batches[-1].real_tokens if result.batches else 0.0
+    print(f"[step {step + 1}/{steps} {phase}] {elapsed * 1e3:.1f} ms, {tokens / max(elapsed, 1e-9):.0f} real tok/s, "
+          f"loss {result.losses[-1]:.4f}", flush=True)

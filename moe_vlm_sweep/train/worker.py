@@ -270,6 +270,32 @@ def _saved_activations(plan: RunPlan, measured: Optional[dict[str, int]]) -> Opt
                             microbatches_in_flight=in_flight)
 
 
+OOM_MESSAGES = (
+    "out of memory",              # torch.OutOfMemoryError, "CUDA error: out of memory", NCCL's "Cuda failure 'out
+                                  # of memory'", TE's and cuDNN frontend's wording
+    "failed to cuda calloc",      # NCCL allocating its buffers: "Failed to CUDA calloc async 24 bytes"
+    "cudaerrormemoryallocation",  # the CUDA runtime's name (TE's checks, NCCL's "unhandled cuda error" details)
+    "cuda_error_out_of_memory",   # the driver API's name (TE's cuda-python and NVRTC paths)
+    "cublas_status_alloc_failed", # a cuBLAS workspace
+    "cudnn_status_alloc_failed",  # a cuDNN workspace
+    "can't allocate memory",      # PyTorch's CPU allocator (DefaultCPUAllocator)
+)
+"""How each library says it ran out of memory, lower case. An out-of-memory is a property of the config (the
+sampler learns to avoid it), whichever library met it first: the same packed MBS failed inside NCCL on an H100
+(``DistBackendError ... Failed to CUDA calloc async 24 bytes``) and was counted as a crash."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True if ``exc`` or an exception it was raised from is an out-of-memory by :data:`OOM_MESSAGES`."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, torch.OutOfMemoryError) or any(m in str(exc).lower() for m in OOM_MESSAGES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def classify(exc: BaseException) -> str:
     """Failure class of an exception: a refused plan is ``invalid``, not a crash."""
     from moe_vlm_sweep.config.schema import ConfigFieldError
@@ -280,7 +306,7 @@ def classify(exc: BaseException) -> str:
         return "invalid"
     if isinstance(exc, NonFiniteLoss):
         return "nan"
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+    if is_out_of_memory(exc):
         return "oom"
     return "crash"
 
