@@ -205,8 +205,8 @@ def replay(args: argparse.Namespace) -> int:
     text = "\n".join(lines)
     Path(args.out).write_text(json.dumps({
         "question": f"Trials and measured seconds until within {args.within:.0%} of the grid's best, per sampler",
-        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(), "grid": args.grid,
-        "seeds": args.seeds, "max_trials": args.max_trials, "summary": summary, "table": text, "replays": results},
+        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "grid": args.grid, "seeds": args.seeds, "max_trials": args.max_trials, "summary": summary, "table": text, "replays": results},
         indent=2) + "\n")
     print(text)
     return 0

@@ -16,12 +16,11 @@ QUOTED = re.compile(r"^`([\w/.-]+\.json)`(?: — [^\n]*)?\. Commit `(\w+)`, (\S+
 
 
 def _quotes() -> list[tuple[str, str, str, str, str]]:
+    """(file, commit, date, command, the README from the end of the command on) of each quoted output."""
     found = []
     for match in QUOTED.finditer(README):
         name, commit, date, command = match.groups()
-        rest = README[match.end():]
-        table = rest[rest.index("config |"):].split("\n\n")[0] if "config |" in rest else ""
-        found.append((name, commit, date.rstrip("."), command, table.strip()))
+        found.append((name, commit, date.rstrip("."), command, README[match.end():]))
     return found
 
 
@@ -36,12 +35,17 @@ def test_every_compare_output_is_quoted():
     assert outputs and outputs - quoted == set()
 
 
-@pytest.mark.parametrize("name, commit, date, command, table", _quotes(), ids=lambda v: v if "/" in v or
+@pytest.mark.parametrize("name, commit, date, command, after", _quotes(), ids=lambda v: v if "/" in v or
                          v.endswith(".json") else None)
-def test_a_quoted_output_matches_its_file(name, commit, date, command, table):
+def test_a_quoted_output_matches_its_file(name, commit, date, command, after):
+    """The command, commit and date as the file holds them, and its table (the file's first block: a summary
+    the script prints under it may be left to the prose) as the next block starting with the table's head."""
     data = json.loads((RESULTS / name).read_text())
     assert (commit, date, command) == (data["git_commit"], data["date"], data["command"])
-    assert table == data["table"].strip()
+    table = data["table"].strip().split("\n\n")[0]
+    head = table.splitlines()[0]
+    assert head in after, f"{name}: its table is not quoted after its command"
+    assert after[after.index(head):].split("\n\n")[0].strip() == table
 
 
 @pytest.mark.parametrize("study", ["h200_single_small", "h200_proxy", "h200_small_s1664", "h200_small_fused"])
