@@ -27,7 +27,7 @@ FIXED = "fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profi
     ("fixed: {model: tiny, train.stepz: 2}\nparams:\n  batch.mbs: [1, 2]\n",
      "sweep.fixed with the command line's overrides does not compose: Could not override 'train.stepz'"),
     (FIXED + "params:\n  batch.mbs: {type: int, low: 1, high: 2}\n  train.lr: {type: float, low: 0.001, high: 0.01}"
-     "\nfirst_trials:\n  - {batch.mbs: 1}\nobjective: {metric: tokens_per_sec}\n",
+     "\nallow_recipe_changes: [train.lr]\nfirst_trials:\n  - {batch.mbs: 1}\nobjective: {metric: tokens_per_sec}\n",
      "sweep.objective.metric='tokens_per_sec' is not a numeric field of metrics.json"),
 ])
 def test_a_bad_space_exits_2_before_any_trial(tmp_path, body, message):

@@ -74,8 +74,10 @@ def _group_changes(param: Param, conf_dir: Path) -> set[str]:
 def _field_changes(param: Param) -> set[str]:
     if param.key.startswith("cuda_graph."):
         field = param.key.split(".", 1)[1]
+        # graphed modules matter only with graphs on: a space searching them captures (TE's graphs by default)
+        graphs_on = {"impl": "transformer_engine"} if field == "modules" else {}
         try:
-            needs = {needs_drop_and_pad(CudaGraphConf(**{field: _value(c)})) for c in param.choices}
+            needs = {needs_drop_and_pad(CudaGraphConf(**graphs_on, **{field: _value(c)})) for c in param.choices}
         except (TypeError, ValueError):
             needs = set()
         return {TOKEN_DROPPING} if len(needs) > 1 or (needs == {True} and param.when) else set()
