@@ -331,6 +331,18 @@ def test_a_long_error_stream_keeps_the_state_and_a_refused_submission_is_told_ap
     assert is_refused_submission(FailedSubmissionError("sbatch: error: QOSMaxSubmitJobPerUserLimit"))
 
 
+@pytest.mark.parametrize("why", ["timed-out too many times", "timed-out and not checkpointable"])
+def test_a_job_submitit_ended_at_the_time_limit_is_a_timeout(why):
+    """At Slurm's time-limit signal submitit's job requeues itself or raises; raised, it reaches the sweep as the
+    job's result, with no Slurm state in its header."""
+    from submitit.core.utils import UncompletedJobError
+
+    from moe_vlm_sweep.sweep.trial import outcome_of_lost_job
+
+    outcome = outcome_of_lost_job(UncompletedJobError(f"Job not requeued because: {why}."))
+    assert (outcome.failure_class, outcome.state) == ("timeout", "fail")
+
+
 LONG = ["train.steps=100000", "train.timeout_s=3000"]
 """Trials that run until something ends them."""
 

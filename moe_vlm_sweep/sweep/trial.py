@@ -117,6 +117,9 @@ def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:
 
 _LOST_JOB_STATES = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}
 _STREAM_TAIL = 1500
+_SUBMITIT_TIME_LIMIT = "Job not requeued because: timed-out"
+"""What submitit's job raises when Slurm's time-limit signal came and it did not requeue the job (``timed-out too
+many times``, ``timed-out and not checkpointable``): the job ran past its limit, a timeout."""
 
 
 def outcome_of_lost_job(exc: Exception) -> Outcome:
@@ -126,6 +129,8 @@ def outcome_of_lost_job(exc: Exception) -> Outcome:
     whole and only the end of the job's error stream, so a long log cannot push the state out of it."""
     head, _, stream = f"{type(exc).__name__}: {exc}".partition("Error stream produced:")
     failure_class = next((c for state, c in _LOST_JOB_STATES.items() if f"state: {state}" in head), "crash")
+    if _SUBMITIT_TIME_LIMIT in str(exc):  # submitit ended the job at Slurm's time-limit signal, not requeued
+        failure_class = "timeout"
     tail = f"\nerror stream (end): {stream.strip()[-_STREAM_TAIL:]}" if stream.strip() else ""
     return Outcome(state=_STATE_OF[failure_class], failure_class=failure_class,
                    reason=f"the launcher lost the job: {head.strip()}{tail}")
