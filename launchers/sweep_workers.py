@@ -64,7 +64,8 @@ class SweepWorker(submitit.helpers.Checkpointable):
         command = [cli] if cli else [sys.executable, "-m", "moe_vlm_sweep.cli"]
         self.process = subprocess.Popen([*command, "run", "-m", *argv])
         code = self.process.wait()
-        if code == -signal.SIGTERM and "SLURM_JOB_ID" in os.environ:
+        # killed by SIGTERM, or the sweep's own clean stop on it (exit 128 + SIGTERM)
+        if code in (-signal.SIGTERM, 128 + signal.SIGTERM) and "SLURM_JOB_ID" in os.environ:
             # Slurm is ending the job (scancel, requeue, preemption, time limit: SIGTERM to every process, SIGKILL
             # after KillWait; submitit's own process ignores SIGTERM). Returning now would write a result and end
             # the job as if the sweep had finished; waiting lets it end as Slurm says (CANCELLED, requeued, ...).

@@ -65,6 +65,7 @@ n_trials: 2
 sampler: random
 objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
 fixed: {model: tiny, train.warmup_steps: 1, train.steps: 40, train.profile_steps: 0}
+allow_recipe_changes: [batch.gbs]
 first_trials:
   - {batch.mbs: 8, batch.gbs: 8}
   - {batch.mbs: 1, batch.gbs: 1}

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from moe_vlm_sweep.config.compose import CONF_DIR, with_searchpath
 from moe_vlm_sweep.config.store import register
@@ -35,8 +35,10 @@ def task(cfg: DictConfig) -> RunResult:
         return RunResult(status="invalid", reason=str(exc))
     run_dir = new_run_dir(plan.run_config.outputs_dir, prefix=f"job{hydra_cfg.job.num}")
     prepare(run_dir, plan, resolved_yaml)
-    # Forked from this process's warm trial host (imports paid once); stopped early if the sweeper says so.
-    result = launch(plan, run_dir, warm=True, watch=early_stop.active())
+    # With sweep.warm_host, forked from this process's warm trial host (imports paid once); stopped early if the
+    # sweeper says so.
+    warm = bool(OmegaConf.select(cfg, "sweep.warm_host", default=False))
+    result = launch(plan, run_dir, warm=warm, watch=early_stop.active())
     print(summarize(result), flush=True)
     return result
 

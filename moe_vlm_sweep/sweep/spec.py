@@ -131,6 +131,11 @@ class SweepConf:
     verify_steps: int = 30
     """Steps of each of verify's three runs (the reference, its re-split twin, the winner)."""
     early_stop: EarlyStopConf = field(default_factory=EarlyStopConf)
+    warm_host: bool = False
+    """Fork each trial from a warm trial host that imported torch and megatron-core once
+    (``launch/warm_host.py``) instead of starting a fresh interpreter: trials after the first start within about a
+    second. Off by default until the sweep's signal handling and a frozen sweep's adoption of a finished run are
+    shown to hold with it (a forked trial is the host's child, not the sweep's); not part of the study's name."""
 
     def __post_init__(self) -> None:
         if self.n_trials < 1:
