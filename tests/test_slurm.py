@@ -143,8 +143,12 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     submitit_dirs = lambda: list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))
     try:
         _wait(lambda: any(t.state == TrialState.COMPLETE for t in _trials(tmp_path)), "a finished trial", proc, log)
-        _wait(lambda: any(s == "RUNNING" for d in submitit_dirs() for s in _jobs(cluster, d).values()),
-              "a second trial's job running", proc, log)
+        # the first job done (Slurm may show it RUNNING for a moment after its result is read) and the second running
+        def states() -> list[str]:
+            return sorted(s for d in submitit_dirs() for s in _jobs(cluster, d).values())
+
+        _wait(lambda: states() == ["COMPLETED", "RUNNING"], "the first trial's job completed and the second's running",
+              proc, log)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
