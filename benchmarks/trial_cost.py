@@ -125,8 +125,8 @@ def table(rows: list[dict], summary: dict) -> str:
                      f"{fmt(s['trials_per_hour'], digits=0)} trials/hour, median wall {fmt(s['median_wall_s'])} s, "
                      f"median timed share {fmt(s['median_timed_share'], 100)}%, imports after the first trial <= "
                      f"{fmt(s['max_imports_after_first_s'], digits=2)} s")
-    if summary.get("host_refused"):
-        lines.append(f"NO WARM HOST: {summary['host_refused']}")
+    if summary.get("host_start_failed"):
+        lines.append(f"the warm host did not start (its trials ran fresh): {summary['host_start_failed']}")
     if "warm_over_fresh_trials_per_hour" in summary:
         lines.append(f"warm / fresh trials per hour: {summary['warm_over_fresh_trials_per_hour']:.2f}x")
     return "\n".join(lines)
@@ -155,7 +155,8 @@ def main() -> int:
     host_imports = next((h.imports_s for h in warm_host._hosts.values()), None)
     warm_host.close_hosts()
     # A host that could not start (a CUDA context after its imports, say) leaves the warm trials fresh: say so.
-    summary = summarize(rows) | {"host_imports_s": host_imports, "host_refused": list(warm_host._refused.values())}
+    summary = summarize(rows) | {"host_imports_s": host_imports,
+                                 "host_start_failed": list(warm_host._failed_starts.values())}
     text = table(rows, summary)
     Path(args.out).write_text(json.dumps({
         "question": "Where does a trial's wall go, fresh interpreter per trial against a warm trial host?",

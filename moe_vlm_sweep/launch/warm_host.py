@@ -264,7 +264,7 @@ class WarmHost:
 
 
 _hosts: dict[tuple, WarmHost] = {}
-_refused: dict[tuple, str] = {}
+_failed_starts: dict[tuple, str] = {}
 """Hosts that could not start (a CUDA context after the imports, say): not tried again by this process, so a
 sweep pays for the failed start once and then runs fresh workers."""
 
@@ -272,14 +272,14 @@ sweep pays for the failed start once and then runs fresh workers."""
 def shared_host(command: list[str], env: dict[str, str], log_path: Path) -> WarmHost:
     """This process's host for ``command`` (started on first use, restarted if it died), closed at exit."""
     key = tuple(command)
-    if key in _refused:
-        raise HostGone(_refused[key])
+    if key in _failed_starts:
+        raise HostGone(_failed_starts[key])
     host = _hosts.get(key)
     if host is None or not host.alive:
         try:
             host = _hosts[key] = WarmHost(command, env, log_path)
         except HostGone as exc:
-            _refused[key] = str(exc)
+            _failed_starts[key] = str(exc)
             raise
         if len(_hosts) == 1:
             atexit.register(close_hosts)
