@@ -26,8 +26,20 @@ from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.plan.plan import make_plan
 from moe_vlm_sweep.plan.rules import ConfigError
 
-COLUMNS = ("config", "status", "step_ms", "cv_%", "eff_tok/s/gpu", "tok_ratio", "mfu_%", "hfu_%", "mem_gib",
-           "graphed", "last_loss", "recipe")
+COLUMNS = (
+    "config",
+    "status",
+    "step_ms",
+    "cv_%",
+    "eff_tok/s/gpu",
+    "tok_ratio",
+    "mfu_%",
+    "hfu_%",
+    "mem_gib",
+    "graphed",
+    "last_loss",
+    "recipe",
+)
 
 
 def git_commit() -> str:
@@ -44,15 +56,31 @@ def run_one(name: str, overrides: list[str], outputs: Path) -> dict:
     run_dir = new_run_dir(outputs, prefix=name)
     prepare(run_dir, plan, "")
     result = launch(plan, run_dir)
-    row = {"config": name, "overrides": overrides, "status": result.status, "reason": result.reason,
-           "run_dir": str(run_dir), "wall_s": result.wall_s, "recipe": plan.recipe}
+    row = {
+        "config": name,
+        "overrides": overrides,
+        "status": result.status,
+        "reason": result.reason,
+        "run_dir": str(run_dir),
+        "wall_s": result.wall_s,
+        "recipe": plan.recipe,
+    }
     if result.ok:
         m = result.metrics
-        row.update(step_time_s=m["step_time_s"], effective_tokens_per_s_per_gpu=m["effective_tokens_per_s_per_gpu"],
-                   tokens_per_s_per_gpu=m["tokens_per_s_per_gpu"], mfu=m["mfu"], hfu=m["hfu"],
-                   peak_memory_gib=m["peak_memory_gib"], component_split=m["component_split"],
-                   data_realism=m["data_realism"], peak_tflops=m["peak_tflops"], peak_source=m["peak_source"],
-                   graphed_layers=m["graphed_layers"], loss=m["loss"])
+        row.update(
+            step_time_s=m["step_time_s"],
+            effective_tokens_per_s_per_gpu=m["effective_tokens_per_s_per_gpu"],
+            tokens_per_s_per_gpu=m["tokens_per_s_per_gpu"],
+            mfu=m["mfu"],
+            hfu=m["hfu"],
+            peak_memory_gib=m["peak_memory_gib"],
+            component_split=m["component_split"],
+            data_realism=m["data_realism"],
+            peak_tflops=m["peak_tflops"],
+            peak_source=m["peak_source"],
+            graphed_layers=m["graphed_layers"],
+            loss=m["loss"],
+        )
     else:
         log = Path(run_dir, "worker.log").read_text(errors="replace")
         row["log_tail"] = log[-3000:]
@@ -68,11 +96,24 @@ def table(rows: list[dict]) -> str:
             continue
         st = r["step_time_s"]
         ratio = r["effective_tokens_per_s_per_gpu"] / base["effective_tokens_per_s_per_gpu"]
-        lines.append(" | ".join([r["config"], "ok", f"{st['median'] * 1e3:.1f}", f"{st['cv'] * 100:.1f}",
-                                 f"{r['effective_tokens_per_s_per_gpu']:.0f}", f"{ratio:.2f}",
-                                 f"{r['mfu'] * 100:.2f}", f"{r['hfu'] * 100:.2f}", f"{r['peak_memory_gib']:.1f}",
-                                 str(r["graphed_layers"]), f"{r['loss']['values'][-1]:.4f}",
-                                 r["recipe"]["fingerprint"]]))
+        lines.append(
+            " | ".join(
+                [
+                    r["config"],
+                    "ok",
+                    f"{st['median'] * 1e3:.1f}",
+                    f"{st['cv'] * 100:.1f}",
+                    f"{r['effective_tokens_per_s_per_gpu']:.0f}",
+                    f"{ratio:.2f}",
+                    f"{r['mfu'] * 100:.2f}",
+                    f"{r['hfu'] * 100:.2f}",
+                    f"{r['peak_memory_gib']:.1f}",
+                    str(r["graphed_layers"]),
+                    f"{r['loss']['values'][-1]:.4f}",
+                    r["recipe"]["fingerprint"],
+                ]
+            )
+        )
     return "\n".join(lines) + recipes_note(rows)
 
 
@@ -83,8 +124,10 @@ def recipes_note(rows: list[dict]) -> str:
     if len({r["recipe"]["fingerprint"] for r in ran}) < 2:
         return ""
     base = ran[0]["recipe"]
-    lines = [f"\nThese configs train {len({r['recipe']['fingerprint'] for r in ran})} different recipes; "
-             f"tok_ratio compares across them. Against {ran[0]['config']} ({base['fingerprint']}):"]
+    lines = [
+        f"\nThese configs train {len({r['recipe']['fingerprint'] for r in ran})} different recipes; "
+        f"tok_ratio compares across them. Against {ran[0]['config']} ({base['fingerprint']}):"
+    ]
     for r in ran[1:]:
         if r["recipe"]["fingerprint"] != base["fingerprint"]:
             diff = between(r["recipe"]["differs"], base["differs"])
@@ -95,8 +138,13 @@ def recipes_note(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--common", default="", help="overrides shared by every config")
-    parser.add_argument("--config", action="append", required=True, metavar="NAME=OVERRIDES",
-                        help="a named config; the first is the baseline of the ratios")
+    parser.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        metavar="NAME=OVERRIDES",
+        help="a named config; the first is the baseline of the ratios",
+    )
     parser.add_argument("--outputs", default="outputs/benchmarks", help="where the run directories go")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args()
@@ -106,10 +154,19 @@ def main() -> int:
         name, _, overrides = spec.partition("=")
         rows.append(run_one(name, [*common, *shlex.split(overrides)], Path(args.outputs)))
         print(f"{name}: {rows[-1]['status']} {rows[-1].get('reason', '')}", flush=True)
-        Path(args.out).write_text(json.dumps({
-            "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "table": table(rows), "runs": rows,
-        }, indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "command": shlex.join(["python", *sys.argv]),
+                    "git_commit": git_commit(),
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "table": table(rows),
+                    "runs": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     print(table(rows))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

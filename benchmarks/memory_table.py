@@ -37,8 +37,13 @@ def row(run_dir: Path) -> dict | None:
         return None
     metrics = json.loads(metrics_file.read_text())
     overrides = yaml.safe_load((run_dir / "overrides.yaml").read_text())
-    out = {"config": run_dir.name, "overrides": overrides, "status": metrics["status"],
-           "peak_memory_gib": metrics["peak_memory_gib"], "graphed_layers": metrics["graphed_layers"]}
+    out = {
+        "config": run_dir.name,
+        "overrides": overrides,
+        "status": metrics["status"],
+        "peak_memory_gib": metrics["peak_memory_gib"],
+        "graphed_layers": metrics["graphed_layers"],
+    }
     if metrics.get("saved_activations"):
         out["saved_activations_gib"] = measured_parts(metrics["saved_activations"])
         out["microbatches_in_flight"] = metrics["saved_activations"]["microbatches_in_flight"]
@@ -46,12 +51,19 @@ def row(run_dir: Path) -> dict | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["run | peak GiB | estimate | ratio | " + " | ".join(f"{p} saved/est" for p in ACTIVATION_PARTS),
-             " | ".join(["---"] * (4 + len(ACTIVATION_PARTS)))]
+    lines = [
+        "run | peak GiB | estimate | ratio | " + " | ".join(f"{p} saved/est" for p in ACTIVATION_PARTS),
+        " | ".join(["---"] * (4 + len(ACTIVATION_PARTS))),
+    ]
     for r in rows:
         cfg = compose_run_config(r["overrides"])
         predicted = estimate(cfg).total_gib
-        cells = [r["config"], f"{r['peak_memory_gib']:.1f}", f"{predicted:.1f}", f"{predicted / r['peak_memory_gib']:.2f}"]
+        cells = [
+            r["config"],
+            f"{r['peak_memory_gib']:.1f}",
+            f"{predicted:.1f}",
+            f"{predicted / r['peak_memory_gib']:.2f}",
+        ]
         saved = r.get("saved_activations_gib")
         parts = activation_parts(cfg, sharded_seq_length(cfg))
         for part in ACTIVATION_PARTS:
@@ -70,10 +82,19 @@ def main() -> None:
     report = table(rows)
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": shlex.join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "note": "measured figures only; the estimate is recomputed from the overrides by the code of the day",
-        "table": report, "runs": rows}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": shlex.join(["python", *sys.argv]),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "note": "measured figures only; the estimate is recomputed from the overrides by the code of the day",
+                "table": report,
+                "runs": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

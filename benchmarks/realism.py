@@ -55,11 +55,20 @@ def main() -> int:
     for key, value in result.items():
         print(f"{key}: {value:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ratios": result,
-        "table": table(list(rows.values())), "runs": list(rows.values()),
-    }, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "command": shlex.join(["python", *sys.argv]),
+                "git_commit": git_commit(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "ratios": result,
+                "table": table(list(rows.values())),
+                "runs": list(rows.values()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return 0 if ok else 1
 
 

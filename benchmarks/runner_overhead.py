@@ -72,9 +72,13 @@ def _bare_steps(plan: RunPlan) -> list[float]:
     models, optimizer = wrap_for_training(plan, build_model_chunks(plan))
     model, config = models[0], models[0].config
     image_dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
-    source = make_source(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs,
-                         dp_rank=parallel_state.get_data_parallel_rank(),
-                         dp_size=parallel_state.get_data_parallel_world_size())
+    source = make_source(
+        cfg.model,
+        cfg.data,
+        micro_batch_size=cfg.batch.mbs,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
     cuda = plan.device == "cuda"
     times: list[float] = []
     model.train()
@@ -83,8 +87,9 @@ def _bare_steps(plan: RunPlan) -> list[float]:
             gc.collect()
             gc.disable()
         if cfg.cuda_graph.impl == "transformer_engine" and step == cfg.cuda_graph.warmup_steps:
-            LLaVADecoderGraphs(models, config, seq_length=plan.seq_length, micro_batch_size=cfg.batch.mbs,
-                               optimizers=[optimizer]).capture()
+            LLaVADecoderGraphs(
+                models, config, seq_length=plan.seq_length, micro_batch_size=cfg.batch.mbs, optimizers=[optimizer]
+            ).capture()
         microbatches = [mb.to(plan.device, image_dtype) for mb in source.step(step, plan.num_microbatches)]
         if cuda:
             torch.cuda.synchronize()
@@ -93,8 +98,14 @@ def _bare_steps(plan: RunPlan) -> list[float]:
         optimizer.zero_grad()
         tokens = torch.zeros((), dtype=torch.int, device=plan.device)
         for mb in microbatches:
-            output, loss_mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
-                                      attention_mask=None, labels=mb.labels, loss_mask=mb.loss_mask)
+            output, loss_mask = model(
+                images=mb.images,
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                attention_mask=None,
+                labels=mb.labels,
+                loss_mask=mb.loss_mask,
+            )
             mask = loss_mask.reshape(-1).float()
             torch.sum(output.float().reshape(-1) * mask).backward()
             tokens += mask.sum().to(torch.int)
@@ -111,11 +122,18 @@ def _bare(plan: RunPlan, outputs: Path, name: str) -> dict:
     run_dir = new_run_dir(outputs, prefix=f"{name}-bare")
     prepare(run_dir, plan, "")
     with open(run_dir / "bare.log", "wb") as log:
-        proc = subprocess.run([sys.executable, __file__, "--bare", str(run_dir)], stdout=log,
-                              stderr=subprocess.STDOUT, timeout=plan.run_config.train.timeout_s)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--bare", str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=plan.run_config.train.timeout_s,
+        )
     if proc.returncode != 0:
-        return {"status": "crash", "run_dir": str(run_dir),
-                "log_tail": (run_dir / "bare.log").read_text(errors="replace")[-3000:]}
+        return {
+            "status": "crash",
+            "run_dir": str(run_dir),
+            "log_tail": (run_dir / "bare.log").read_text(errors="replace")[-3000:],
+        }
     times = json.loads((run_dir / BARE_RESULT).read_text())["step_times"]
     return {"status": "ok", "run_dir": str(run_dir), "median": statistics.median(times), "steps": times}
 
@@ -125,11 +143,20 @@ def _worker(plan: RunPlan, outputs: Path, name: str) -> dict:
     prepare(run_dir, plan, "")
     result = launch(plan, run_dir)
     if not result.ok:
-        return {"status": result.status, "reason": result.reason, "run_dir": str(run_dir),
-                "log_tail": (run_dir / "worker.log").read_text(errors="replace")[-3000:]}
+        return {
+            "status": result.status,
+            "reason": result.reason,
+            "run_dir": str(run_dir),
+            "log_tail": (run_dir / "worker.log").read_text(errors="replace")[-3000:],
+        }
     st = result.metrics["step_time_s"]
-    return {"status": "ok", "run_dir": str(run_dir), "median": st["median"], "steps": st["steps"],
-            "mfu": result.metrics["mfu"]}
+    return {
+        "status": "ok",
+        "run_dir": str(run_dir),
+        "median": st["median"],
+        "steps": st["steps"],
+        "mfu": result.metrics["mfu"],
+    }
 
 
 def compare(name: str, overrides: list[str], outputs: Path, repeats: int) -> dict:
@@ -142,8 +169,13 @@ def compare(name: str, overrides: list[str], outputs: Path, repeats: int) -> dic
     if all(r["status"] == "ok" for rs in runs.values() for r in rs):
         worker = statistics.median(r["median"] for r in runs["worker"])
         bare = statistics.median(r["median"] for r in runs["bare"])
-        row.update(status="ok", worker_median_s=worker, bare_median_s=bare, ratio=worker / bare,
-                   within_target=worker / bare <= TARGET_RATIO)
+        row.update(
+            status="ok",
+            worker_median_s=worker,
+            bare_median_s=bare,
+            ratio=worker / bare,
+            within_target=worker / bare <= TARGET_RATIO,
+        )
     else:
         row["status"] = "failed"
     return row
@@ -155,8 +187,10 @@ def table(rows: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(f"{r['config']} | failed | - | - | -")
             continue
-        lines.append(f"{r['config']} | {r['worker_median_s'] * 1e3:.1f} | {r['bare_median_s'] * 1e3:.1f} | "
-                     f"{r['ratio']:.3f} | {'yes' if r['within_target'] else 'no'}")
+        lines.append(
+            f"{r['config']} | {r['worker_median_s'] * 1e3:.1f} | {r['bare_median_s'] * 1e3:.1f} | "
+            f"{r['ratio']:.3f} | {'yes' if r['within_target'] else 'no'}"
+        )
     return "\n".join(lines)
 
 
@@ -177,15 +211,25 @@ def main() -> int:
     rows = []
     for spec in args.config:
         name, _, overrides = spec.partition("=")
-        rows.append(compare(name, [*shlex.split(args.common), *shlex.split(overrides)], Path(args.outputs),
-                            args.repeats))
+        rows.append(
+            compare(name, [*shlex.split(args.common), *shlex.split(overrides)], Path(args.outputs), args.repeats)
+        )
         print(f"{name}: {rows[-1]['status']}", flush=True)
     print(table(rows))
-    Path(args.out).write_text(json.dumps({
-        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target_ratio": TARGET_RATIO,
-        "table": table(rows), "rows": rows,
-    }, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "command": shlex.join(["python", *sys.argv]),
+                "git_commit": git_commit(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "target_ratio": TARGET_RATIO,
+                "table": table(rows),
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -29,8 +29,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import optuna
 from compare_configs import git_commit
@@ -81,6 +82,7 @@ def key_of(point: dict[str, Any]) -> str:
 
 # --- step 1: the grid ------------------------------------------------------------------------------------------
 
+
 def measure(args: argparse.Namespace) -> int:
     spec, space = load_space(args.space)
     base = [*fixed_overrides(spec.fixed), *shlex.split(args.extra or "")]
@@ -98,20 +100,33 @@ def measure(args: argparse.Namespace) -> int:
         prepare(run_dir, plan, "")
         result = launch(plan, run_dir, warm=True)
         value = metric_value(result.metrics, spec.objective.metric) if result.ok else None
-        rows.append(row | {"status": result.status, "reason": result.reason[-200:], "wall_s": result.wall_s,
-                           "value": value})
+        rows.append(
+            row | {"status": result.status, "reason": result.reason[-200:], "wall_s": result.wall_s, "value": value}
+        )
         print(f"{' '.join(row['overrides'])}: {result.status} {value} in {result.wall_s:.1f} s", flush=True)
     warm_host.close_hosts()
-    Path(args.out).write_text(json.dumps({
-        "question": f"Every config of sweep={args.space}, measured once: the table samplers are replayed on.",
-        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "space": args.space,
-        "metric": spec.objective.metric, "direction": spec.objective.direction, "base_overrides": base,
-        "rows": rows}, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "question": f"Every config of sweep={args.space}, measured once: the table samplers are replayed on.",
+                "command": shlex.join(["python", *sys.argv]),
+                "git_commit": git_commit(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "space": args.space,
+                "metric": spec.objective.metric,
+                "direction": spec.objective.direction,
+                "base_overrides": base,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return 0
 
 
 # --- step 2: the replay -----------------------------------------------------------------------------------------
+
 
 class Table:
     def __init__(self, grid: dict):
@@ -120,7 +135,7 @@ class Table:
         values = [r["value"] for r in grid["rows"] if r["value"] is not None]
         self.best = max(values) if self.maximize else min(values)
 
-    def good(self, value: Optional[float], within: float) -> bool:
+    def good(self, value: float | None, within: float) -> bool:
         if value is None:
             return False
         return value >= self.best * (1 - within) if self.maximize else value <= self.best * (1 + within)
@@ -133,13 +148,16 @@ def _tell(study: optuna.Study, trial: optuna.Trial, row: dict) -> None:
         study.tell(trial, state=TrialState.PRUNED)  # invalid or OOM: as the sweeper tells them
 
 
-def replay_one(name: str, seed: int, table: Table, space: Space, spec: SweepConf, within: float,
-               max_trials: int) -> dict:
+def replay_one(
+    name: str, seed: int, table: Table, space: Space, spec: SweepConf, within: float, max_trials: int
+) -> dict:
     """Trials until within ``within`` of the grid's best: (measured trials, measured seconds), or None."""
     make: dict[str, Callable[[], optuna.samplers.BaseSampler]] = {
-        "tpe": lambda: sampler(spec, seed), "sweeper": lambda: sampler(spec, seed),
+        "tpe": lambda: sampler(spec, seed),
+        "sweeper": lambda: sampler(spec, seed),
         "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-        "gp": lambda: optuna.samplers.GPSampler(seed=seed, n_startup_trials=10)}
+        "gp": lambda: optuna.samplers.GPSampler(seed=seed, n_startup_trials=10),
+    }
     measured, seconds, proposals = 0, 0.0, 0
     if name == "grid":
         order = list(table.rows.values())
@@ -192,22 +210,40 @@ def replay(args: argparse.Namespace) -> int:
             "mean_trials": statistics.fmean(r["trials"] for r in reached) if reached else None,
             "p90_trials": sorted(r["trials"] for r in reached)[int(0.9 * (len(reached) - 1))] if reached else None,
             "median_seconds": statistics.median(r["seconds"] for r in reached) if reached else None,
-            "mean_seconds": statistics.fmean(r["seconds"] for r in reached) if reached else None}
+            "mean_seconds": statistics.fmean(r["seconds"] for r in reached) if reached else None,
+        }
     good = sum(table.good(r["value"], args.within) for r in grid["rows"])
-    lines = [f"grid: {len(grid['rows'])} configs ({sum(r['value'] is not None for r in grid['rows'])} measured), "
-             f"best {grid['metric']}={table.best:.4g}, {good} within {args.within:.0%} of it",
-             "sampler | reached | median trials | mean trials | p90 trials | median s | mean s",
-             "--- | --- | --- | --- | --- | --- | ---"]
+    lines = [
+        f"grid: {len(grid['rows'])} configs ({sum(r['value'] is not None for r in grid['rows'])} measured), "
+        f"best {grid['metric']}={table.best:.4g}, {good} within {args.within:.0%} of it",
+        "sampler | reached | median trials | mean trials | p90 trials | median s | mean s",
+        "--- | --- | --- | --- | --- | --- | ---",
+    ]
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for name, s in summary.items():
-        lines.append(f"{name} | {s['reached']} | {fmt(s['median_trials'])} | {fmt(s['mean_trials'])} | "
-                     f"{fmt(s['p90_trials'])} | {fmt(s['median_seconds'])} | {fmt(s['mean_seconds'])}")
+        lines.append(
+            f"{name} | {s['reached']} | {fmt(s['median_trials'])} | {fmt(s['mean_trials'])} | "
+            f"{fmt(s['p90_trials'])} | {fmt(s['median_seconds'])} | {fmt(s['mean_seconds'])}"
+        )
     text = "\n".join(lines)
-    Path(args.out).write_text(json.dumps({
-        "question": f"Trials and measured seconds until within {args.within:.0%} of the grid's best, per sampler",
-        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "grid": args.grid, "seeds": args.seeds, "max_trials": args.max_trials, "summary": summary, "table": text, "replays": results},
-        indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "question": f"Trials and measured seconds until within {args.within:.0%} of the grid's best, per sampler",
+                "command": shlex.join(["python", *sys.argv]),
+                "git_commit": git_commit(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "grid": args.grid,
+                "seeds": args.seeds,
+                "max_trials": args.max_trials,
+                "summary": summary,
+                "table": text,
+                "replays": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(text)
     return 0
 

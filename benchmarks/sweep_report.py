@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import optuna
@@ -49,14 +49,16 @@ def _study(outputs: Path, name: str | None) -> optuna.Study:
         if len(names) != 1:
             raise SystemExit(f"--study is required: {outputs / 'sweeps'} holds {names}")
         name = names[0]
-    return optuna.load_study(study_name=name,
-                             storage=open_storage(f"sqlite:///{(outputs / 'sweeps' / name / 'optuna.db').resolve()}"))
+    return optuna.load_study(
+        study_name=name, storage=open_storage(f"sqlite:///{(outputs / 'sweeps' / name / 'optuna.db').resolve()}")
+    )
 
 
 def table(study: optuna.Study, runs: list[dict], top: int) -> str:
     children = {int(r["tags"]["moe_vlm_sweep.trial"]): r for r in runs if "moe_vlm_sweep.trial" in r["tags"]}
-    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-            if t.number in children]
+    done = [
+        t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if t.number in children
+    ]
     sign = -1 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1
     done.sort(key=lambda t: sign * t.values[0])
     lines = [" | ".join(COLUMNS), " | ".join("---" for _ in COLUMNS)]
@@ -64,13 +66,27 @@ def table(study: optuna.Study, runs: list[dict], top: int) -> str:
     for rank, (trial, recipe) in enumerate(zip(done[:top], recipes), 1):
         m = children[trial.number]["metrics"]
         config = " ".join(f"{k}={v}" for k, v in trial.params.items())
-        lines.append(" | ".join([str(rank), f"#{trial.number}", f"{m['mfu'] * 100:.2f}",
-                                 f"{m['effective_tokens_per_s_per_gpu']:.0f}", f"{m['step_time_s.median'] * 1e3:.1f}",
-                                 f"{m['step_time_s.cv'] * 100:.1f}", f"{m['peak_memory_gib']:.1f}",
-                                 str(int(m.get("graphed_layers", 0))), recipe, config]))
+        lines.append(
+            " | ".join(
+                [
+                    str(rank),
+                    f"#{trial.number}",
+                    f"{m['mfu'] * 100:.2f}",
+                    f"{m['effective_tokens_per_s_per_gpu']:.0f}",
+                    f"{m['step_time_s.median'] * 1e3:.1f}",
+                    f"{m['step_time_s.cv'] * 100:.1f}",
+                    f"{m['peak_memory_gib']:.1f}",
+                    str(int(m.get("graphed_layers", 0))),
+                    recipe,
+                    config,
+                ]
+            )
+        )
     if len(set(recipes)) > 1:
-        lines.append(f"\nThese trials train {len(set(recipes))} different recipes (the recipe column; * computed from "
-                     "the trial's overrides): the ranking compares speed and what is trained at once.")
+        lines.append(
+            f"\nThese trials train {len(set(recipes))} different recipes (the recipe column; * computed from "
+            "the trial's overrides): the ranking compares speed and what is trained at once."
+        )
     return "\n".join(lines)
 
 
@@ -86,7 +102,7 @@ def baseline_mfu(baseline: str, runs: list[dict]) -> tuple[str, float, str]:
         run = next((r for r in runs if r["tags"].get("moe_vlm_sweep.trial") == number), None)
         if run is None or "mfu" not in run["metrics"]:
             raise SystemExit(f"--baseline {baseline}: trial #{number} has no MFU in the study's MLflow runs")
-        when = datetime.fromtimestamp(run["start_time"] / 1e3, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = datetime.fromtimestamp(run["start_time"] / 1e3, UTC).strftime("%Y-%m-%d %H:%M UTC")
         return f"trial #{number}", run["metrics"]["mfu"], when
     path, _, name = baseline.rpartition(":")
     document = json.loads(Path(path).read_text())
@@ -112,17 +128,24 @@ def versus_baseline(baseline: tuple[str, float, str], confirm_file: Path) -> str
         return "Confirmation: no candidate held (each had a failed re-run)."
     (name, base, when), best = baseline, winner["median_values"][0]
     reran = sorted(_run_dir_time(r["run_dir"]) for r in winner["repeats"] if r.get("run_dir"))
-    cvs = ", ".join(f"#{c['trial']} {c['step_time_cv_across_repeats']:.1%}" for c in confirmation["candidates"]
-                    if c["step_time_cv_across_repeats"] is not None)
-    return "\n".join([
-        "config | measured | MFU (%) | ratio", "--- | --- | --- | ---",
-        f"baseline {name} | {when} | {base * 100:.2f} | 1.00",
-        f"trial #{winner['trial']} as swept | in the study | {winner['original_values'][0] * 100:.2f} | "
-        f"{winner['original_values'][0] / base:.2f}",
-        f"trial #{winner['trial']} (median of {len(winner['repeats'])} re-runs) | {reran[0] if reran else '?'} | "
-        f"{best * 100:.2f} | {best / base:.2f}",
-        "", f"Step-time CV across each candidate's re-runs (target <= {confirmation['cv_target']:.0%}): {cvs}.",
-    ])
+    cvs = ", ".join(
+        f"#{c['trial']} {c['step_time_cv_across_repeats']:.1%}"
+        for c in confirmation["candidates"]
+        if c["step_time_cv_across_repeats"] is not None
+    )
+    return "\n".join(
+        [
+            "config | measured | MFU (%) | ratio",
+            "--- | --- | --- | ---",
+            f"baseline {name} | {when} | {base * 100:.2f} | 1.00",
+            f"trial #{winner['trial']} as swept | in the study | {winner['original_values'][0] * 100:.2f} | "
+            f"{winner['original_values'][0] / base:.2f}",
+            f"trial #{winner['trial']} (median of {len(winner['repeats'])} re-runs) | {reran[0] if reran else '?'} | "
+            f"{best * 100:.2f} | {best / base:.2f}",
+            "",
+            f"Step-time CV across each candidate's re-runs (target <= {confirmation['cv_target']:.0%}): {cvs}.",
+        ]
+    )
 
 
 def main() -> int:
@@ -132,25 +155,38 @@ def main() -> int:
     parser.add_argument("--experiment", default="moe-vlm-sweep", help="MLflow experiment (tracking.experiment)")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--baseline", metavar="FILE:NAME|trial:N",
-                        help="the baseline: a compare_configs JSON and row, or a trial of the study")
+    parser.add_argument(
+        "--baseline",
+        metavar="FILE:NAME|trial:N",
+        help="the baseline: a compare_configs JSON and row, or a trial of the study",
+    )
     parser.add_argument("--confirm", type=Path, help="the confirm.json measured on the same machine as --baseline")
     args = parser.parse_args()
     study = _study(args.outputs, args.study)
-    runs = export_study_runs(tracking_uri=default_uri(args.outputs), experiment=args.experiment,
-                             study_name=study.study_name)
+    runs = export_study_runs(
+        tracking_uri=default_uri(args.outputs), experiment=args.experiment, study_name=study.study_name
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    study.trials_dataframe(attrs=("number", "state", "values", "params", "user_attrs", "datetime_start",
-                                  "duration")).to_csv(args.out_dir / "trials.csv", index=False)
+    study.trials_dataframe(
+        attrs=("number", "state", "values", "params", "user_attrs", "datetime_start", "duration")
+    ).to_csv(args.out_dir / "trials.csv", index=False)
     (args.out_dir / "mlflow_runs.json").write_text(json.dumps(runs, indent=2, default=str) + "\n")
-    report = [f"# Study `{study.study_name}`", "",
-              f"{len(study.trials)} trials: {outcomes(study)}. Objective: "
-              f"{study.user_attrs.get('objective_metrics')} ({study.directions[0].name.lower()}); "
-              f"data realism {study.user_attrs.get('data_realism')}.", "", table(study, runs, args.top)]
+    report = [
+        f"# Study `{study.study_name}`",
+        "",
+        f"{len(study.trials)} trials: {outcomes(study)}. Objective: "
+        f"{study.user_attrs.get('objective_metrics')} ({study.directions[0].name.lower()}); "
+        f"data realism {study.user_attrs.get('data_realism')}.",
+        "",
+        table(study, runs, args.top),
+    ]
     if args.baseline and args.confirm:
-        report += ["", "Confirmed best against the baseline (a ratio is side by side only when both were measured "
-                   "in one run):", "",
-                   versus_baseline(baseline_mfu(args.baseline, runs), args.confirm)]
+        report += [
+            "",
+            "Confirmed best against the baseline (a ratio is side by side only when both were measured in one run):",
+            "",
+            versus_baseline(baseline_mfu(args.baseline, runs), args.confirm),
+        ]
     (args.out_dir / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))
     return 0

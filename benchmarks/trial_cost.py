@@ -47,13 +47,23 @@ from moe_vlm_sweep.plan.plan import make_plan
 MODES = ("fresh", "warm")
 PHASES = ("imports", "init", "build", "wrap", "first_step", "other_warmup", "timed_steps", "census_profile", "rest")
 PRESETS = {
-    "cpu": ("model=tiny hardware=cpu train.warmup_steps=1 train.steps=3 train.profile_steps=0",
-            {"mbs1": "batch.mbs=1", "mbs2_frozen": "batch.mbs=2 vision=frozen",
-             "mbs4_selective": "batch.mbs=4 recompute=selective dispatcher=allgather"}),
-    "gpu": ("model=small parallel=3d batch.mbs=32 batch.gbs=32 train.warmup_steps=3 train.steps=8 "
-            "train.profile_steps=1 train.timeout_s=600",
-            {"compiled_fusions": "fusions.bias_dropout=true fusions.cross_entropy=true",
-             "default": "", "fusions_off": "fusions=off"}),
+    "cpu": (
+        "model=tiny hardware=cpu train.warmup_steps=1 train.steps=3 train.profile_steps=0",
+        {
+            "mbs1": "batch.mbs=1",
+            "mbs2_frozen": "batch.mbs=2 vision=frozen",
+            "mbs4_selective": "batch.mbs=4 recompute=selective dispatcher=allgather",
+        },
+    ),
+    "gpu": (
+        "model=small parallel=3d batch.mbs=32 batch.gbs=32 train.warmup_steps=3 train.steps=8 "
+        "train.profile_steps=1 train.timeout_s=600",
+        {
+            "compiled_fusions": "fusions.bias_dropout=true fusions.cross_entropy=true",
+            "default": "",
+            "fusions_off": "fusions=off",
+        },
+    ),
 }
 
 
@@ -61,10 +71,16 @@ def phases(metrics: dict, wall: float) -> dict[str, float]:
     """The trial's wall split by phase (seconds); ``rest`` is what no phase of the worker accounts for."""
     w, steps = metrics["wall_s"], metrics["step_time_s"]["steps"]
     first = (metrics.get("warmup_step_time_s") or [0.0])[0]
-    split = {"imports": w.get("startup.imports", 0.0), "init": w.get("startup.init", 0.0),
-             "build": w.get("startup.build", 0.0), "wrap": w.get("startup.wrap", 0.0), "first_step": first,
-             "other_warmup": w.get("warmup", 0.0) + w.get("capture", 0.0) - first, "timed_steps": sum(steps),
-             "census_profile": w.get("census", 0.0) + w.get("profile", 0.0)}
+    split = {
+        "imports": w.get("startup.imports", 0.0),
+        "init": w.get("startup.init", 0.0),
+        "build": w.get("startup.build", 0.0),
+        "wrap": w.get("startup.wrap", 0.0),
+        "first_step": first,
+        "other_warmup": w.get("warmup", 0.0) + w.get("capture", 0.0) - first,
+        "timed_steps": sum(steps),
+        "census_profile": w.get("census", 0.0) + w.get("profile", 0.0),
+    }
     split["rest"] = wall - sum(split.values())
     return split
 
@@ -75,13 +91,22 @@ def run_one(mode: str, name: str, overrides: list[str], outputs: Path) -> dict:
     run_dir = new_run_dir(outputs, prefix=name)
     prepare(run_dir, plan, "")
     result = launch(plan, run_dir, warm=mode == "warm")
-    row = {"config": name, "mode": mode, "status": result.status, "reason": result.reason[-300:],
-           "wall_s": result.wall_s, "run_dir": str(run_dir)}
+    row = {
+        "config": name,
+        "mode": mode,
+        "status": result.status,
+        "reason": result.reason[-300:],
+        "wall_s": result.wall_s,
+        "run_dir": str(run_dir),
+    }
     if result.ok:
         split = phases(result.metrics, result.wall_s)
-        row |= {"phases_s": split, "timed_share": split["timed_steps"] / result.wall_s,
-                "step_median_s": result.metrics["step_time_s"]["median"],
-                "step_cv": result.metrics["step_time_s"]["cv"]}
+        row |= {
+            "phases_s": split,
+            "timed_share": split["timed_steps"] / result.wall_s,
+            "step_median_s": result.metrics["step_time_s"]["median"],
+            "step_cv": result.metrics["step_time_s"]["cv"],
+        }
     return row
 
 
@@ -93,7 +118,9 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         later = ok[1:]  # every trial after the first: the host's start is in the first warm one
         total = sum(r["wall_s"] for r in mine)
         out[mode] = {
-            "trials": len(mine), "ok": len(ok), "total_wall_s": total,
+            "trials": len(mine),
+            "ok": len(ok),
+            "total_wall_s": total,
             "trials_per_hour": 3600 * len(mine) / total if total else None,
             "median_wall_s": statistics.median(r["wall_s"] for r in ok) if ok else None,
             "median_timed_share": statistics.median(r["timed_share"] for r in ok) if ok else None,
@@ -113,18 +140,31 @@ def table(rows: list[dict], summary: dict) -> str:
             lines.append(" | ".join([r["config"], r["mode"], f"{r['wall_s']:.1f}", r["status"], r["reason"][:60]]))
             continue
         p = r["phases_s"]
-        lines.append(" | ".join([r["config"], r["mode"], f"{r['wall_s']:.1f}", *(f"{p[k]:.2f}" for k in PHASES),
-                                 f"{100 * r['timed_share']:.1f}", f"{1e3 * r['step_median_s']:.1f}"]))
+        lines.append(
+            " | ".join(
+                [
+                    r["config"],
+                    r["mode"],
+                    f"{r['wall_s']:.1f}",
+                    *(f"{p[k]:.2f}" for k in PHASES),
+                    f"{100 * r['timed_share']:.1f}",
+                    f"{1e3 * r['step_median_s']:.1f}",
+                ]
+            )
+        )
     lines.append("")
     for mode in MODES:
         s = summary[mode]
+
         def fmt(value, scale=1.0, digits=1):
             return "-" if value is None else f"{scale * value:.{digits}f}"
 
-        lines.append(f"{mode}: {s['ok']}/{s['trials']} ok, {s['total_wall_s']:.1f} s in all, "
-                     f"{fmt(s['trials_per_hour'], digits=0)} trials/hour, median wall {fmt(s['median_wall_s'])} s, "
-                     f"median timed share {fmt(s['median_timed_share'], 100)}%, imports after the first trial <= "
-                     f"{fmt(s['max_imports_after_first_s'], digits=2)} s")
+        lines.append(
+            f"{mode}: {s['ok']}/{s['trials']} ok, {s['total_wall_s']:.1f} s in all, "
+            f"{fmt(s['trials_per_hour'], digits=0)} trials/hour, median wall {fmt(s['median_wall_s'])} s, "
+            f"median timed share {fmt(s['median_timed_share'], 100)}%, imports after the first trial <= "
+            f"{fmt(s['max_imports_after_first_s'], digits=2)} s"
+        )
     if summary.get("host_start_failed"):
         lines.append(f"the warm host did not start (its trials ran fresh): {summary['host_start_failed']}")
     if "warm_over_fresh_trials_per_hour" in summary:
@@ -136,8 +176,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="cpu", help="cpu, or a GPU hardware group (h100, h200, ...)")
     parser.add_argument("--common", help="overrides of every config (default: the hardware's preset)")
-    parser.add_argument("--config", action="append", default=[], metavar="NAME=OVERRIDES",
-                        help="a config to measure (repeatable; default: the hardware's preset)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=OVERRIDES",
+        help="a config to measure (repeatable; default: the hardware's preset)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the configs")
     parser.add_argument("--workdir", help="where the two outputs directories go (default: a new temp dir)")
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -155,15 +200,29 @@ def main() -> int:
     host_imports = next((h.imports_s for h in warm_host._hosts.values()), None)
     warm_host.close_hosts()
     # A host that could not start (a CUDA context after its imports, say) leaves the warm trials fresh: say so.
-    summary = summarize(rows) | {"host_imports_s": host_imports,
-                                 "host_start_failed": list(warm_host._failed_starts.values())}
+    summary = summarize(rows) | {
+        "host_imports_s": host_imports,
+        "host_start_failed": list(warm_host._failed_starts.values()),
+    }
     text = table(rows, summary)
-    Path(args.out).write_text(json.dumps({
-        "question": "Where does a trial's wall go, fresh interpreter per trial against a warm trial host?",
-        "command": shlex.join(["python", *sys.argv]), "git_commit": git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "common": common, "configs": configs, "summary": summary, "table": text, "rows": rows}, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "question": "Where does a trial's wall go, fresh interpreter per trial against a warm trial host?",
+                "command": shlex.join(["python", *sys.argv]),
+                "git_commit": git_commit(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+                "common": common,
+                "configs": configs,
+                "summary": summary,
+                "table": text,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(text)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

@@ -111,22 +111,31 @@ def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
     command line or the space's file; a larger one from the command line is refused, from the file capped."""
     most = timeout_min * 60 - MARGIN_S
     if most <= 0:
-        refuse(f"--slurm timeout_min={timeout_min}: a sweep job needs more than {MARGIN_S} s, "
-                         "the margin kept for start-up and the last export")
+        refuse(
+            f"--slurm timeout_min={timeout_min}: a sweep job needs more than {MARGIN_S} s, "
+            "the margin kept for start-up and the last export"
+        )
     given = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith("sweep.time_budget_s=")]
     value = given[-1].split("=", 1)[1] if given else ""
     if given and value.lower() in ("null", "none", ""):
-        refuse(f"{given[-1]}: a worker needs a budget within the job's limit; leave it out to get "
-                         f"{most} s (timeout_min={timeout_min} less the {MARGIN_S} s margin)")
+        refuse(
+            f"{given[-1]}: a worker needs a budget within the job's limit; leave it out to get "
+            f"{most} s (timeout_min={timeout_min} less the {MARGIN_S} s margin)"
+        )
     if given and float(value) > most:
-        refuse(f"{given[-1]} does not fit the job: timeout_min={timeout_min} leaves at most {most} s "
-                         f"after the {MARGIN_S} s margin")
+        refuse(
+            f"{given[-1]} does not fit the job: timeout_min={timeout_min} leaves at most {most} s "
+            f"after the {MARGIN_S} s margin"
+        )
     budget = _space_budget(overrides)
     if given or (budget is not None and budget <= most):
         return []
     if budget is not None:
-        print(f"the space's sweep.time_budget_s={budget:g} is capped at {most} s, the job's limit "
-              f"(timeout_min={timeout_min}) less the {MARGIN_S} s margin", flush=True)
+        print(
+            f"the space's sweep.time_budget_s={budget:g} is capped at {most} s, the job's limit "
+            f"(timeout_min={timeout_min}) less the {MARGIN_S} s margin",
+            flush=True,
+        )
     return [f"sweep.time_budget_s={most}"]
 
 
@@ -136,9 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", required=True, help="the shared Optuna storage URL")
     parser.add_argument("--seed", type=int, default=0, help="worker i samples with sweep.seed = seed + i")
     parser.add_argument("--cluster", choices=("slurm", "local"), default="slurm")
-    parser.add_argument("--slurm", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="job parameters: timeout_min, gpus_per_node, ... (also for --cluster local) or any "
-                             "sbatch option (partition=...)")
+    parser.add_argument(
+        "--slurm",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="job parameters: timeout_min, gpus_per_node, ... (also for --cluster local) or any "
+        "sbatch option (partition=...)",
+    )
     parser.add_argument("--folder", type=Path, default=Path("outputs/submitit"), help="submitit's logs and state")
     parser.add_argument("--wait", action="store_true", help="wait for every worker and report its exit status")
     parser.add_argument("overrides", nargs="+", help="the sweep command's overrides, after --")
@@ -146,14 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         parser.error(f"--workers={args.workers} must be >= 1")
     if args.cluster == "slurm" and not args.storage.startswith("postgresql"):
-        parser.error(f"--storage={args.storage}: workers on several nodes need PostgreSQL storage "
-                     "(postgresql://...), since SQLite does not lock safely over a shared file system")
+        parser.error(
+            f"--storage={args.storage}: workers on several nodes need PostgreSQL storage "
+            "(postgresql://...), since SQLite does not lock safely over a shared file system"
+        )
     params = parameters(args.slurm, args.workers, args.cluster)
     budget = time_budget(args.overrides, params["timeout_min"])
     executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
     executor.update_parameters(**params)
-    argvs = [[*args.overrides, *budget, f"sweep.storage={args.storage}", f"sweep.seed={args.seed + i}"]
-             for i in range(args.workers)]
+    argvs = [
+        [*args.overrides, *budget, f"sweep.storage={args.storage}", f"sweep.seed={args.seed + i}"]
+        for i in range(args.workers)
+    ]
     jobs = executor.map_array(SweepWorker(), argvs)
     for job, argv_i in zip(jobs, argvs):
         print(f"worker {job.job_id}: moe-vlm-sweep run -m {' '.join(argv_i)}", flush=True)
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             code = job.result()
             status = f"exit {code}"
-        except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job: report it, go on to the next
+        except Exception as exc:
             code, status = None, f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         failed = failed or code != 0  # a signal's negative code is a failure too
         print(f"worker {job.job_id}: {status} (log: {job.paths.stdout})", flush=True)

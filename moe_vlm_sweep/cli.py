@@ -18,7 +18,7 @@ Invalid input exits 2 before any process starts; a run that fails exits 1 with i
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 USAGE = "usage: moe-vlm-sweep COMMAND [ARGS]\n\n" + __doc__.split("\n\n", 1)[1].strip()
 EXIT_INVALID = 2

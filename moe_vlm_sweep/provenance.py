@@ -24,12 +24,17 @@ def package_version() -> str:
 def git_commit() -> str | None:
     """The checkout's HEAD if this package's files are tracked in it, else None."""
     try:
-        tracked = subprocess.run(["git", "-C", str(PACKAGE_DIR), "ls-files", "--error-unmatch", "__init__.py"],
-                                 capture_output=True, text=True, timeout=10)
+        tracked = subprocess.run(
+            ["git", "-C", str(PACKAGE_DIR), "ls-files", "--error-unmatch", "__init__.py"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if tracked.returncode != 0:
             return None
-        head = subprocess.run(["git", "-C", str(PACKAGE_DIR), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(PACKAGE_DIR), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         return head.stdout.strip() if head.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None

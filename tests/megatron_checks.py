@@ -25,7 +25,8 @@ import json
 import sys
 import warnings
 from collections import defaultdict
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from pathlib import Path
 
 STOOD_IN = (
     "TE's fused kernels: TransformerConfig refuses moe_permute_fusion and apply_rope_fusion unless "
@@ -60,9 +61,16 @@ def _te_fused_kernels_present() -> Iterator[None]:
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.moe import moe_utils
 
-    names = {moe_utils: ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-                         "fused_sort_chunks_by_index_with_probs", "fused_unpermute"),
-             rope_utils: ("fused_apply_rotary_pos_emb",)}
+    names = {
+        moe_utils: (
+            "fused_permute",
+            "fused_permute_with_probs",
+            "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs",
+            "fused_unpermute",
+        ),
+        rope_utils: ("fused_apply_rotary_pos_emb",),
+    }
     saved = {(m, n): getattr(m, n) for m, ns in names.items() for n in ns}
     for module, name in saved:
         if getattr(module, name) is None:
@@ -84,8 +92,11 @@ def _dispatcher(lm) -> None:
         return  # the MoE layer refuses first (moe_layer.py); the rule table labels that a model-build check
     local = lm.num_moe_experts // ep
     indices = list(range(pgs.ep.rank() * local, (pgs.ep.rank() + 1) * local))
-    cls = {"allgather": td.MoEAllGatherTokenDispatcher, "alltoall": td.MoEAlltoAllTokenDispatcher,
-           "flex": td.MoEFlexTokenDispatcher}[lm.moe_token_dispatcher_type]
+    cls = {
+        "allgather": td.MoEAllGatherTokenDispatcher,
+        "alltoall": td.MoEAlltoAllTokenDispatcher,
+        "flex": td.MoEFlexTokenDispatcher,
+    }[lm.moe_token_dispatcher_type]
     try:
         cls(local, indices, config=lm, pg_collection=pgs)
     except ImportError as exc:
@@ -111,14 +122,15 @@ def _interleaved_schedule(lm, plan) -> None:
         raise _FirstForwardStep
 
     cfg = plan.run_config
-    try:
+    with contextlib.suppress(_FirstForwardStep):
         forward_backward_pipelining_with_interleaving(
-            forward_step_func=forward_step, data_iterator=[iter(())] * plan.layout.vpp,
+            forward_step_func=forward_step,
+            data_iterator=[iter(())] * plan.layout.vpp,
             model=[Chunk() for _ in range(plan.layout.vpp)],
             num_microbatches=cfg.batch.gbs // (cfg.batch.mbs * parallel_state.get_data_parallel_world_size()),
-            seq_length=plan.seq_length, micro_batch_size=cfg.batch.mbs)
-    except _FirstForwardStep:
-        pass
+            seq_length=plan.seq_length,
+            micro_batch_size=cfg.batch.mbs,
+        )
 
 
 def _llava(plan, reached: dict) -> None:
@@ -158,12 +170,18 @@ def _check(plan, reached: dict) -> None:
 
     lay, cfg = plan.layout, plan.run_config
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-        virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None, context_parallel_size=lay.cp,
-        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp, create_gloo_process_groups=False)
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
+        context_parallel_size=lay.cp,
+        expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.etp,
+        create_gloo_process_groups=False,
+    )
     try:
-        init_num_microbatches_calculator(0, None, cfg.batch.gbs, cfg.batch.mbs,
-                                         parallel_state.get_data_parallel_world_size())
+        init_num_microbatches_calculator(
+            0, None, cfg.batch.gbs, cfg.batch.mbs, parallel_state.get_data_parallel_world_size()
+        )
         with _te_fused_kernels_present():
             lm = decoder_config(plan)
             vision_config(plan, lm)
@@ -195,22 +213,21 @@ def verdict(plan) -> dict:
 
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
+    from megatron.core.models.multimodal import llava_model
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe_vlm_sweep.plan.plan import RunPlan
-    from megatron.core.models.multimodal import llava_model
-
     from moe_vlm_sweep.train import cpu_compat
 
     global _UNPATCHED_LLAVA
     warnings.simplefilter("ignore")
     _UNPATCHED_LLAVA = llava_model.HAVE_TE, getattr(llava_model, "TEDotProductAttention", None)
     cpu_compat.apply()
-    plans = [RunPlan.from_dict(d) for d in json.loads(open(argv[0]).read())]
+    plans = [RunPlan.from_dict(d) for d in json.loads(Path(argv[0]).read_text())]
     by_world = defaultdict(list)
     for i, plan in enumerate(plans):
         by_world[plan.layout.world_size].append(i)
-    verdicts: list[Optional[dict]] = [None] * len(plans)
+    verdicts: list[dict | None] = [None] * len(plans)
     for world, indices in sorted(by_world.items()):
         dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
         try:

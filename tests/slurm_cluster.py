@@ -163,8 +163,7 @@ class SlurmCluster:
 
     def _start(self, name: str, command: list[str]) -> None:
         with open(self.root / "log" / f"{name}.out", "w") as log:
-            proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pids[name] = proc.pid
 
     def stop(self, remove: bool = True) -> None:
@@ -199,8 +198,10 @@ def start_cluster() -> SlurmCluster:
     """Start the cluster or raise ClusterUnavailable with the reason; the caller must ``stop()`` it."""
     missing = [d for d in DAEMONS if shutil.which(d, path=SEARCH_PATH) is None]
     if missing:
-        raise ClusterUnavailable(f"{', '.join(missing)} not installed (`make test` installs slurm-wlm, slurmdbd, munge "
-                                 "and mariadb-server with apt, as root)")
+        raise ClusterUnavailable(
+            f"{', '.join(missing)} not installed (`make test` installs slurm-wlm, slurmdbd, munge "
+            "and mariadb-server with apt, as root)"
+        )
     if os.geteuid() != 0:
         raise ClusterUnavailable("the test cluster's slurmd must run as root (it starts jobs as their user)")
     root = Path(tempfile.mkdtemp(prefix="slurm-"))  # short: the munge socket's path must fit a sockaddr_un
@@ -209,18 +210,41 @@ def start_cluster() -> SlurmCluster:
     host = socket.gethostname().split(".")[0]
     ctld_port, slurmd_port, dbd_port, db_port = _free_ports(4)
     cluster = SlurmCluster(root=root, cpus=os.cpu_count() or 1)
-    cluster.conf.write_text(SLURM_CONF.format(root=root, host=host, ctld_port=ctld_port, slurmd_port=slurmd_port,
-                                              dbd_port=dbd_port, cpus=cluster.cpus, memory=_memory_mb()))
+    cluster.conf.write_text(
+        SLURM_CONF.format(
+            root=root,
+            host=host,
+            ctld_port=ctld_port,
+            slurmd_port=slurmd_port,
+            dbd_port=dbd_port,
+            cpus=cluster.cpus,
+            memory=_memory_mb(),
+        )
+    )
     dbd_conf = root / "slurmdbd.conf"  # next to slurm.conf, where slurmdbd looks; it refuses a readable one
     dbd_conf.write_text(SLURMDBD_CONF.format(root=root, host=host, dbd_port=dbd_port, db_port=db_port))
     dbd_conf.chmod(0o600)
     try:
         munge = root / "munge"
-        subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}"], check=True,
-                       capture_output=True, env=cluster.env)
-        cluster._start("munged", ["munged", "--foreground", "--force", f"--socket={munge / 'munge.socket'}",
-                                  f"--key-file={munge / 'munge.key'}", f"--pid-file={munge / 'munged.pid'}",
-                                  f"--seed-file={munge / 'munged.seed'}", f"--log-file={root / 'log' / 'munged.log'}"])
+        subprocess.run(
+            ["mungekey", "--create", f"--keyfile={munge / 'munge.key'}"],
+            check=True,
+            capture_output=True,
+            env=cluster.env,
+        )
+        cluster._start(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={munge / 'munge.socket'}",
+                f"--key-file={munge / 'munge.key'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+                f"--log-file={root / 'log' / 'munged.log'}",
+            ],
+        )
         _wait_for(lambda: (munge / "munge.socket").exists(), "munged's socket", cluster)
         _start_database(cluster, db_port)
         cluster._start("slurmdbd", ["slurmdbd", "-D"])
@@ -239,17 +263,44 @@ def start_cluster() -> SlurmCluster:
 def _start_database(cluster: SlurmCluster, port: int) -> None:
     """A MariaDB server for slurmdbd: its own datadir, socket and port; root reaches it by the socket."""
     data, sock = cluster.root / "db", cluster.root / "db.sock"
-    subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root", "--skip-test-db"],
-                   check=True, capture_output=True, timeout=120, env=cluster.env)
-    cluster._start("mariadbd", ["mariadbd", "--no-defaults", f"--datadir={data}", f"--socket={sock}",
-                                f"--port={port}", "--bind-address=127.0.0.1", "--user=root",
-                                f"--pid-file={cluster.root / 'db.pid'}", f"--log-error={cluster.root / 'log' / 'db.log'}",
-                                "--skip-name-resolve"])
+    subprocess.run(
+        ["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root", "--skip-test-db"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        env=cluster.env,
+    )
+    cluster._start(
+        "mariadbd",
+        [
+            "mariadbd",
+            "--no-defaults",
+            f"--datadir={data}",
+            f"--socket={sock}",
+            f"--port={port}",
+            "--bind-address=127.0.0.1",
+            "--user=root",
+            f"--pid-file={cluster.root / 'db.pid'}",
+            f"--log-error={cluster.root / 'log' / 'db.log'}",
+            "--skip-name-resolve",
+        ],
+    )
     _wait_for(lambda: sock.exists() and _listening(port), "MariaDB's socket", cluster)
-    subprocess.run(["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root", "-e",
-                    "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; "
-                    "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"], check=True, capture_output=True,
-                   env=cluster.env)
+    subprocess.run(
+        [
+            "mariadb",
+            "--no-defaults",
+            f"--socket={sock}",
+            "-u",
+            "root",
+            "-e",
+            "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; "
+            "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';",
+        ],
+        check=True,
+        capture_output=True,
+        env=cluster.env,
+    )
 
 
 def _listening(port: int) -> bool:

@@ -3,6 +3,7 @@ lands, and readers of the two stores the sweep writes (Optuna, MLflow)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -31,11 +32,19 @@ def exported_experiment(cwd: Path, name: str) -> Path:
     return cwd / "outputs" / "conf" / "experiment" / f"{name}.yaml"
 
 
-def cli(args: list[str], *, cwd: Path, conf: Path, timeout: float = 600, check: bool = True,
-        **popen) -> subprocess.CompletedProcess:
+def cli(
+    args: list[str], *, cwd: Path, conf: Path, timeout: float = 600, check: bool = True, **popen
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "moe_vlm_sweep.cli", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=timeout, **popen)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_vlm_sweep.cli", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        **popen,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}")
     return proc
@@ -43,8 +52,13 @@ def cli(args: list[str], *, cwd: Path, conf: Path, timeout: float = 600, check: 
 
 def start_cli(args: list[str], *, cwd: Path, conf: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "moe_vlm_sweep.cli", *args], cwd=cwd, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "moe_vlm_sweep.cli", *args],
+        cwd=cwd,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def only_study(cwd: Path) -> optuna.Study:
@@ -62,8 +76,9 @@ def mlflow_runs(cwd: Path, experiment: str = "moe-vlm-sweep") -> list:
 
 
 def children_by_trial(runs: list) -> dict[int, object]:
-    return {int(r.data.tags["moe_vlm_sweep.trial"]): r for r in runs
-            if r.data.tags.get("moe_vlm_sweep.role") == "trial"}
+    return {
+        int(r.data.tags["moe_vlm_sweep.trial"]): r for r in runs if r.data.tags.get("moe_vlm_sweep.role") == "trial"
+    }
 
 
 WORKER = "moe_vlm_sweep.train.worker"
@@ -84,7 +99,5 @@ def processes_under(root: Path, command: str = "") -> list[psutil.Process]:
 def end_orphans(root: Path) -> None:
     """End what a killed process left running under ``root``."""
     for proc in processes_under(root):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass

@@ -44,16 +44,31 @@ def test_small_model_matches_reference_shapes():
     plan = make_plan(compose_run_config(["model=small", "batch.mbs=8", "batch.gbs=8"]))
     m = plan.run_config.model
     assert (m.vision.image_size, m.vision.patch_size, m.vision.hidden_size) == (336, 14, 768)
-    assert (m.decoder.num_layers, m.decoder.hidden_size, m.decoder.num_experts, m.decoder.moe_router_topk) == (12, 1024,
-                                                                                                            16, 2)
+    assert (m.decoder.num_layers, m.decoder.hidden_size, m.decoder.num_experts, m.decoder.moe_router_topk) == (
+        12,
+        1024,
+        16,
+        2,
+    )
     assert plan.seq_length == 1024 + 576 - 1
     assert plan.tokens_per_step == 8 * 1599
 
 
 def test_cluster_plan_arithmetic(capsys):
-    overrides = ["model=qwen3_vl_235b_a22b", "hardware=h200", "launcher=torchrun", "launcher.nproc_per_node=8",
-                 "launcher.nnodes=32", "parallel=3d", "parallel.tp=4", "parallel.sp=true", "parallel.pp=2",
-                 "parallel.ep=32", "batch.mbs=1", "batch.gbs=1024"]
+    overrides = [
+        "model=qwen3_vl_235b_a22b",
+        "hardware=h200",
+        "launcher=torchrun",
+        "launcher.nproc_per_node=8",
+        "launcher.nnodes=32",
+        "parallel=3d",
+        "parallel.tp=4",
+        "parallel.sp=true",
+        "parallel.pp=2",
+        "parallel.ep=32",
+        "batch.mbs=1",
+        "batch.gbs=1024",
+    ]
     plan = make_plan(compose_run_config(overrides))
     lay = plan.layout
     assert (lay.world_size, lay.dp, lay.edp) == (256, 32, 4)

@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 
 from moe_vlm_sweep import cli
-from moe_vlm_sweep.config.compose import (CompositionError, add_searchpath, compose_run_config, config_dir_overrides,
-                                          exports_dir, with_searchpath)
+from moe_vlm_sweep.config.compose import (
+    CompositionError,
+    add_searchpath,
+    compose_run_config,
+    config_dir_overrides,
+    exports_dir,
+    with_searchpath,
+)
 
 TEAM_MODEL = "defaults:\n  - tiny\n  - _self_\nname: team_moe\ntext_tokens: 97\n"
 
@@ -35,7 +41,9 @@ def test_check_takes_a_config_dir_and_records_it_for_the_rerun(tmp_path, capsys)
     assert cli.main(["check", "--config-dir", str(team), "model=team_moe"]) == 0
     assert "valid" in capsys.readouterr().out
     assert config_dir_overrides(["--config-dir", str(team), "model=team_moe"]) == [
-        "model=team_moe", f"hydra.searchpath=['file://{team}']"]
+        "model=team_moe",
+        f"hydra.searchpath=['file://{team}']",
+    ]
 
 
 def test_a_missing_config_dir_exits_2_naming_it(tmp_path, capsys):
@@ -45,7 +53,9 @@ def test_a_missing_config_dir_exits_2_naming_it(tmp_path, capsys):
 
 def test_the_users_searchpath_entries_are_kept_and_extended():
     assert add_searchpath(["a=1", "hydra.searchpath=[file:///x]"], ["file:///y", "file:///x"]) == [
-        "a=1", "hydra.searchpath=['file:///x','file:///y']"]
+        "a=1",
+        "hydra.searchpath=['file:///x','file:///y']",
+    ]
     assert add_searchpath(["a=1"], []) == ["a=1"]
 
 
@@ -59,7 +69,12 @@ def test_exported_experiments_compose_from_the_outputs_folder(tmp_path, monkeypa
         given = [] if outputs == "outputs" else [f"outputs_dir={outputs}"]
         assert compose_run_config([*given, "+experiment=mine_best"]).batch.mbs == 3
     assert with_searchpath(["-m", "x=1", "--cfg", "job"]) == [
-        "-m", "x=1", f"hydra.searchpath=['file://{tmp_path / 'outputs' / 'conf'}']", "--cfg", "job"]
+        "-m",
+        "x=1",
+        f"hydra.searchpath=['file://{tmp_path / 'outputs' / 'conf'}']",
+        "--cfg",
+        "job",
+    ]
 
 
 def test_a_multirun_searches_the_team_folder_too(tmp_path, capsys):

@@ -6,13 +6,14 @@ PNG/JPEG files themselves, no network), with captions.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_json
 from PIL import Image
 
-from conftest import read_json
 from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf, RunConfig
 from moe_vlm_sweep.data import MockText, SyntheticImages, make_source
 from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX, PAD_TOKEN_ID, layout
@@ -40,8 +41,10 @@ def shards(tmp_path_factory) -> str:
     from moe_vlm_sweep.data.webdataset_shards import write_shards
 
     images = Path(skimage.data.__file__).parent
-    records = [(f"{i:04d}", (images / name).read_bytes(), name.rsplit(".", 1)[1], caption)
-               for i, (name, caption) in enumerate(CAPTIONS.items())]
+    records = [
+        (f"{i:04d}", (images / name).read_bytes(), name.rsplit(".", 1)[1], caption)
+        for i, (name, caption) in enumerate(CAPTIONS.items())
+    ]
     out = tmp_path_factory.mktemp("shards")
     written = write_shards(records, str(out / "shard-%06d.tar"), per_shard=3)
     assert len(written) == 3
@@ -49,8 +52,9 @@ def shards(tmp_path_factory) -> str:
 
 
 def test_mock_text_has_no_images_and_fills_the_decoder_sequence():
-    source = make_source(MODEL, DataConf(name="mock_text", realism="mock_text", min_text_fraction=1.0),
-                         micro_batch_size=4)
+    source = make_source(
+        MODEL, DataConf(name="mock_text", realism="mock_text", min_text_fraction=1.0), micro_batch_size=4
+    )
     assert isinstance(source, MockText) and source.realism == "mock_text"
     mb = source.step(0, 1)[0]
     assert mb.images.shape[0] == 0 and (mb.input_ids != IMAGE_TOKEN_INDEX).all()
@@ -94,13 +98,16 @@ def test_webdataset_batches_are_the_real_images_and_captions(shards):
 
 
 def test_realism_is_the_sources_own_and_shards_must_exist(tmp_path):
-    with pytest.raises(ConfigFieldError, match="data.realism='synthetic_images' must be 'mock_text'"):
+    with pytest.raises(ConfigFieldError, match=re.escape("data.realism='synthetic_images' must be 'mock_text'")):
         make_source(MODEL, DataConf(name="mock_text", realism="synthetic_images"), micro_batch_size=1)
-    with pytest.raises(ConfigFieldError, match="data.shards must name"):
+    with pytest.raises(ConfigFieldError, match=re.escape("data.shards must name")):
         make_source(MODEL, DataConf(name="webdataset", realism="real_images"), micro_batch_size=1)
     with pytest.raises(ConfigFieldError, match="matches no file"):
-        make_source(MODEL, DataConf(name="webdataset", realism="real_images", shards=str(tmp_path / "*.tar")),
-                    micro_batch_size=1)
+        make_source(
+            MODEL,
+            DataConf(name="webdataset", realism="real_images", shards=str(tmp_path / "*.tar")),
+            micro_batch_size=1,
+        )
 
 
 def test_effective_tokens_are_padded_tokens_times_real_over_padded():
@@ -108,15 +115,19 @@ def test_effective_tokens_are_padded_tokens_times_real_over_padded():
     from moe_vlm_sweep.train.loop import TrainResult
     from moe_vlm_sweep.train.worker import build_metrics
 
-    mb = layout(torch.zeros(2, 3, 56, 56), [torch.arange(1, 30), torch.arange(1, 65)], images_per_sample=1,
-                row_length=65, image_tokens=16)
+    mb = layout(
+        torch.zeros(2, 3, 56, 56),
+        [torch.arange(1, 30), torch.arange(1, 65)],
+        images_per_sample=1,
+        row_length=65,
+        image_tokens=16,
+    )
     assert mb.text_lengths.tolist() == [30, 65] and mb.padded_tokens == 160
     assert mb.real_tokens == 30 + 15 + 65 + 15 == 125
     assert (mb.input_ids[0, 30:] == PAD_TOKEN_ID).all()
     plan = make_plan(RunConfig(model=MODEL))
     batch = BatchTokens.from_lengths(mb.decoder_lengths.tolist(), images=2, seq_length=plan.seq_length)
-    result = TrainResult(step_times=[0.5, 0.25, 1.0], losses=[1.0] * 3, phases=["measured"] * 3,
-                         batches=[batch] * 3)
+    result = TrainResult(step_times=[0.5, 0.25, 1.0], losses=[1.0] * 3, phases=["measured"] * 3, batches=[batch] * 3)
     m = build_metrics(plan, result, (1.0, "measured_matmul"), (0.1, "peak_rss"))
     assert (m.real_tokens_per_step, m.padded_tokens_per_step) == (125, 160)
     assert m.tokens_per_s == 160 / 0.5
@@ -126,8 +137,14 @@ def test_effective_tokens_are_padded_tokens_times_real_over_padded():
 
 
 def test_webdataset_trains_from_real_image_files(run_cli, shards):
-    code, run_dir = run_cli("model=tiny", "data=webdataset", f"data.shards='{shards}'", "train.warmup_steps=1",
-                            "train.steps=2", "train.profile_steps=1")
+    code, run_dir = run_cli(
+        "model=tiny",
+        "data=webdataset",
+        f"data.shards='{shards}'",
+        "train.warmup_steps=1",
+        "train.steps=2",
+        "train.profile_steps=1",
+    )
     assert code == 0, (run_dir / "worker.log").read_text()[-4000:]
     metrics = read_json(run_dir / "metrics.json")
     assert metrics["data_realism"] == "real_images"
@@ -137,8 +154,9 @@ def test_webdataset_trains_from_real_image_files(run_cli, shards):
 
 
 def test_mock_text_run_reports_no_vision_work(run_cli):
-    code, run_dir = run_cli("model=tiny", "data=mock_text", "train.warmup_steps=1", "train.steps=2",
-                            "train.profile_steps=1")
+    code, run_dir = run_cli(
+        "model=tiny", "data=mock_text", "train.warmup_steps=1", "train.steps=2", "train.profile_steps=1"
+    )
     assert code == 0, (run_dir / "worker.log").read_text()[-4000:]
     metrics = read_json(run_dir / "metrics.json")
     assert metrics["data_realism"] == "mock_text"

@@ -7,11 +7,11 @@ import json
 import optuna
 import pytest
 from optuna.trial import TrialState
+from sweep_testing import children_by_trial, cli, mlflow_runs, only_study, private_conf
 
 from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
 from moe_vlm_sweep.sweep.early_stop import EarlyStop, read_progress
 from moe_vlm_sweep.sweep.spec import SweepSpecError, load_spec
-from sweep_testing import children_by_trial, cli, mlflow_runs, only_study, private_conf
 
 
 def _rule(maximize=True, best=100.0):
@@ -19,15 +19,18 @@ def _rule(maximize=True, best=100.0):
     return EarlyStop(trial=trial, metric="mfu", maximize=maximize, best=(0, best), min_steps=3, margin=0.1)
 
 
-@pytest.mark.parametrize("values, maximize, stops", [
-    ([80, 81], True, False),                 # too few steps, however slow
-    ([80, 81, 82], True, True),              # every step more than 10% below the best's 100
-    ([50, 50, 95], True, False),             # two noisy slow steps, one step near the best: goes on
-    ([89, 89.9, 89.5], True, True),
-    ([91, 85, 80], True, False),             # its best step is within the margin
-    ([120, 115, 112], False, True),          # minimize: every step more than 10% above the best's 100
-    ([120, 115, 109], False, False),
-])
+@pytest.mark.parametrize(
+    "values, maximize, stops",
+    [
+        ([80, 81], True, False),  # too few steps, however slow
+        ([80, 81, 82], True, True),  # every step more than 10% below the best's 100
+        ([50, 50, 95], True, False),  # two noisy slow steps, one step near the best: goes on
+        ([89, 89.9, 89.5], True, True),
+        ([91, 85, 80], True, False),  # its best step is within the margin
+        ([120, 115, 112], False, True),  # minimize: every step more than 10% above the best's 100
+        ([120, 115, 109], False, False),
+    ],
+)
 def test_the_rule_needs_every_step_clearly_worse(values, maximize, stops):
     reason = _rule(maximize).verdict(values)
     assert bool(reason) == stops
@@ -50,8 +53,13 @@ def test_each_measured_step_is_reported_as_the_running_median(tmp_path):
     assert rule.trial.study.trials[0].intermediate_values == {1: 95.0, 2: 100.0, 3: 99.0}
 
 
-@pytest.mark.parametrize("node, knob", [({"early_stop": {"min_steps": 1}}, "sweep.early_stop.min_steps=1"),
-                                        ({"early_stop": {"margin": 0.0}}, "sweep.early_stop.margin=0.0")])
+@pytest.mark.parametrize(
+    "node, knob",
+    [
+        ({"early_stop": {"min_steps": 1}}, "sweep.early_stop.min_steps=1"),
+        ({"early_stop": {"margin": 0.0}}, "sweep.early_stop.margin=0.0"),
+    ],
+)
 def test_bad_settings_name_the_knob(node, knob):
     with pytest.raises(SweepSpecError, match=knob.replace(".", r"\.")):
         load_spec(node)

@@ -5,13 +5,21 @@ from __future__ import annotations
 import optuna
 import pytest
 from omegaconf import OmegaConf
+from sweep_testing import private_conf
 
 from moe_vlm_sweep.config import compose
 from moe_vlm_sweep.export.best import ExportError, experiment_yaml, export, ranked, realism_of
-from sweep_testing import private_conf
 
-OVERRIDES = ["model=tiny", "recompute=selective", "recompute.modules=[core_attn,layernorm]", "batch.mbs=1",
-             "train.lr=0.0003", "vision=frozen", "data.fixed_batch=true", "train.precision=fp32"]
+OVERRIDES = [
+    "model=tiny",
+    "recompute=selective",
+    "recompute.modules=[core_attn,layernorm]",
+    "batch.mbs=1",
+    "train.lr=0.0003",
+    "vision=frozen",
+    "data.fixed_batch=true",
+    "train.precision=fp32",
+]
 
 
 def test_experiment_config_reproduces_the_overrides(tmp_path, monkeypatch):

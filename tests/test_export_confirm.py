@@ -12,13 +12,13 @@ import optuna
 import pytest
 import yaml
 from omegaconf import OmegaConf
+from sweep_testing import FAST_TRAIN, cli, exported_experiment, private_conf
 
 from moe_vlm_sweep.config import compose
 from moe_vlm_sweep.export.best import ExportError, export, ranked
 from moe_vlm_sweep.export.confirm import CV_TARGET, confirm
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.trial import metric_value
-from sweep_testing import FAST_TRAIN, cli, exported_experiment, private_conf
 
 NAME = "confirm_test"
 METRIC = "effective_tokens_per_s_per_gpu"
@@ -31,8 +31,9 @@ def _study(storage: str | None, trials: list[tuple[list[str], float, str]], *, m
     if metrics:
         study.set_user_attr("objective_metrics", list(metrics))
     for overrides, value, realism in trials:
-        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"overrides": overrides,
-                                                                           "data_realism": realism}))
+        study.add_trial(
+            optuna.trial.create_trial(value=value, user_attrs={"overrides": overrides, "data_realism": realism})
+        )
     return study
 
 
@@ -56,8 +57,7 @@ def test_export_puts_the_confirmed_trial_first(tmp_path):
     assert [e.trial.number for e in exported] == [third.number, ranked(study)[0].number]
     assert exported[0].experiment == f"{NAME}_best" and exported[0].overrides == third.user_attrs["overrides"]
     assert yaml.safe_load((tmp_path / "s" / "best" / "overrides.yaml").read_text()) == exported[0].overrides
-    assert [e["confirmed"] for e in yaml.safe_load((tmp_path / "s" / "best" / "top.yaml").read_text())] == [True,
-                                                                                                            False]
+    assert [e["confirmed"] for e in yaml.safe_load((tmp_path / "s" / "best" / "top.yaml").read_text())] == [True, False]
 
 
 @pytest.mark.slow
@@ -67,11 +67,14 @@ def test_confirm_reruns_the_top_trials_and_exports_the_median_winner(tmp_path, m
     conf = private_conf(tmp_path)
     sweep_dir = tmp_path / "outputs" / "sweeps" / NAME
     sweep_dir.mkdir(parents=True)
-    _study(f"sqlite:///{sweep_dir / 'optuna.db'}", [
-        ([*BASE, "batch.mbs=1"], 100.0, "synthetic_images"),
-        ([*BASE, "batch.mbs=2"], 50.0, "synthetic_images"),
-        ([*BASE, "train.timeout_s=2"], 1000.0, "synthetic_images"),
-    ])
+    _study(
+        f"sqlite:///{sweep_dir / 'optuna.db'}",
+        [
+            ([*BASE, "batch.mbs=1"], 100.0, "synthetic_images"),
+            ([*BASE, "batch.mbs=2"], 50.0, "synthetic_images"),
+            ([*BASE, "train.timeout_s=2"], 1000.0, "synthetic_images"),
+        ],
+    )
     out = cli(["best", NAME, "--confirm", "2", "--top", "3"], cwd=tmp_path, conf=conf).stdout
 
     record = json.loads((sweep_dir / "best" / "confirm.json").read_text())
@@ -118,8 +121,9 @@ def test_confirm_reruns_the_top_trials_and_exports_the_median_winner(tmp_path, m
 def _launched_trial_study(wall_s: float, storage: str | None = None) -> optuna.Study:
     """One completed trial as a sweep records a launched one: its run directory and how long it took."""
     study = _study(storage, [])
-    trial = optuna.trial.create_trial(value=1.0, user_attrs={"overrides": BASE, "data_realism": "synthetic_images",
-                                                              "run_dir": "outputs/runs/trial"})
+    trial = optuna.trial.create_trial(
+        value=1.0, user_attrs={"overrides": BASE, "data_realism": "synthetic_images", "run_dir": "outputs/runs/trial"}
+    )
     trial.datetime_start = trial.datetime_complete - datetime.timedelta(seconds=wall_s)
     study.add_trial(trial)
     return study
@@ -130,8 +134,11 @@ def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
     would overrun it, nothing is written or exported, and the next confirmation reuses what finished."""
     study, lines = _launched_trial_study(wall_s=60.0), []
     stopped = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0))
-    assert not stopped.complete and stopped.winner is None and "re-run 1 of trial #0 would need about 60 s" in \
-        stopped.stopped
+    assert (
+        not stopped.complete
+        and stopped.winner is None
+        and "re-run 1 of trial #0 would need about 60 s" in stopped.stopped
+    )
     assert not (tmp_path / "confirm").exists() and not (tmp_path / "best").exists()
 
     first = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=1).candidates[0].repeats[0]

@@ -40,8 +40,7 @@ MBS = 2
 
 def _config(*, text_tokens: int = 65, decoder: dict | None = None, **groups) -> RunConfig:
     model = ModelConf(text_tokens=text_tokens, decoder=DecoderConf(**(decoder or {})))
-    return RunConfig(model=model, batch=BatchConf(mbs=MBS, gbs=MBS), parallel=ParallelConf(strategy="3d"),
-                     **groups)
+    return RunConfig(model=model, batch=BatchConf(mbs=MBS, gbs=MBS), parallel=ParallelConf(strategy="3d"), **groups)
 
 
 def _components(counter: FlopCounterMode) -> dict[str, int]:
@@ -50,11 +49,15 @@ def _components(counter: FlopCounterMode) -> dict[str, int]:
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     vision = counts.get("LLaVAModel.vision_model", 0)
     projector = counts.get("LLaVAModel.vision_projection", 0)
-    return {"vision_encoder": vision, "projector": projector, "decoder": counts["Global"] - vision - projector,
-            "projector.first_layer": counts.get("LLaVAModel.vision_projection.encoder.linear_fc1", 0)}
+    return {
+        "vision_encoder": vision,
+        "projector": projector,
+        "decoder": counts["Global"] - vision - projector,
+        "projector.first_layer": counts.get("LLaVAModel.vision_projection.encoder.linear_fc1", 0),
+    }
 
 
-def _count(cfg: RunConfig, data: DataConf = DataConf()) -> tuple[dict, dict, BatchTokens]:
+def _count(cfg: RunConfig, data: DataConf | None = None) -> tuple[dict, dict, BatchTokens]:
     """(forward, backward) FLOPs per component as FlopCounterMode counts them, and the batch's tokens."""
     from moe_vlm_sweep.model.build import build_model_chunks
     from moe_vlm_sweep.train.loop import packed_inputs
@@ -62,14 +65,19 @@ def _count(cfg: RunConfig, data: DataConf = DataConf()) -> tuple[dict, dict, Bat
     plan = make_plan(cfg)
     torch.manual_seed(0)
     model = build_model_chunks(plan)[0]
-    mb = SyntheticImages(cfg.model, data, micro_batch_size=MBS).microbatch(0, 0)
+    mb = SyntheticImages(cfg.model, data or DataConf(), micro_batch_size=MBS).microbatch(0, 0)
     if cfg.data.packing:
         mb = pack(mb)
 
     def loss():
-        per_token, mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
-                                labels=mb.labels, loss_mask=mb.loss_mask,
-                                **packed_inputs(mb, plan.seq_length, plan.transformer_impl))
+        per_token, mask = model(
+            images=mb.images,
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            labels=mb.labels,
+            loss_mask=mb.loss_mask,
+            **packed_inputs(mb, plan.seq_length, plan.transformer_impl),
+        )
         return (per_token * mask).sum()
 
     with FlopCounterMode(display=False) as forward:
@@ -77,8 +85,9 @@ def _count(cfg: RunConfig, data: DataConf = DataConf()) -> tuple[dict, dict, Bat
     with FlopCounterMode(display=False) as both:
         loss().backward()
     fwd, total = _components(forward), _components(both)
-    batch = BatchTokens.from_lengths(mb.decoder_lengths.tolist(), images=mb.images.shape[0],
-                                     seq_length=plan.seq_length, packed=mb.packed)
+    batch = BatchTokens.from_lengths(
+        mb.decoder_lengths.tolist(), images=mb.images.shape[0], seq_length=plan.seq_length, packed=mb.packed
+    )
     return fwd, {k: total[k] - fwd[k] for k in fwd}, batch
 
 
@@ -125,10 +134,12 @@ def test_useful_decoder_flops_follow_from_measured_coefficients(megatron_world):
     _, _, padded = _count(cfg)  # min_text_fraction 0.5: real padding
     decoder = component_work(cfg, padded, transformer_impl="local")["decoder"]
     assert decoder.useful_forward == pytest.approx(
-        per_token * padded.real_tokens + per_pair * padded.real_attention_pairs, rel=1e-9)
+        per_token * padded.real_tokens + per_pair * padded.real_attention_pairs, rel=1e-9
+    )
     assert decoder.useful_backward == 2 * decoder.useful_forward  # recompute never counts as useful
     assert decoder.executed_forward == pytest.approx(
-        per_token * padded.padded_tokens + per_pair * padded.samples * padded.seq_length**2, rel=1e-9)
+        per_token * padded.padded_tokens + per_pair * padded.samples * padded.seq_length**2, rel=1e-9
+    )
 
 
 def test_frozen_encoder_drops_exactly_its_backward(megatron_world):
@@ -137,8 +148,10 @@ def test_frozen_encoder_drops_exactly_its_backward(megatron_world):
     assert same == batch
     encoder_backward = trainable_bwd["vision_encoder"]
     assert encoder_backward > 0 and frozen_bwd["vision_encoder"] == 0
-    counted = {name: sum(f[c] + b[c] for c in COMPONENTS) for name, f, b in
-               (("trainable", trainable_fwd, trainable_bwd), ("frozen", frozen_fwd, frozen_bwd))}
+    counted = {
+        name: sum(f[c] + b[c] for c in COMPONENTS)
+        for name, f, b in (("trainable", trainable_fwd, trainable_bwd), ("frozen", frozen_fwd, frozen_bwd))
+    }
     assert counted["trainable"] - counted["frozen"] == encoder_backward  # what runs: exactly that
 
     def useful(cfg):
@@ -165,15 +178,24 @@ def test_fully_frozen_vision_costs_its_forward_only(megatron_world):
 
 # Pure accounting rules (no model).
 
+
 def _work(cfg: RunConfig, **batch) -> dict:
-    tokens = BatchTokens.unpadded(samples=4, images=4 * cfg.model.images_per_sample,
-                                  seq_length=cfg.model.seq_length) if not batch else BatchTokens(**batch)
+    tokens = (
+        BatchTokens.unpadded(samples=4, images=4 * cfg.model.images_per_sample, seq_length=cfg.model.seq_length)
+        if not batch
+        else BatchTokens(**batch)
+    )
     return component_work(cfg, tokens, transformer_impl="local")
 
 
-@pytest.mark.parametrize("recompute", [RecomputeConf(granularity="full", method="uniform", num_layers=1),
-                                       RecomputeConf(granularity="selective", modules=["core_attn"]),
-                                       RecomputeConf(granularity="selective", modules=["moe"])])
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        RecomputeConf(granularity="full", method="uniform", num_layers=1),
+        RecomputeConf(granularity="selective", modules=["core_attn"]),
+        RecomputeConf(granularity="selective", modules=["moe"]),
+    ],
+)
 def test_recompute_counts_in_executed_flops_only(recompute):
     base, rc = _work(_config())["decoder"], _work(_config(recompute=recompute))["decoder"]
     assert (rc.useful_forward, rc.useful_backward) == (base.useful_forward, base.useful_backward)
@@ -194,12 +216,24 @@ def test_topk_shared_experts_and_gqa_move_decoder_flops():
 def test_padding_and_text_only_batches():
     cfg = _config()
     full = _work(cfg)
-    half = _work(cfg, samples=4, images=4, real_tokens=2 * cfg.model.seq_length,
-                 real_attention_pairs=100, seq_length=cfg.model.seq_length)
+    half = _work(
+        cfg,
+        samples=4,
+        images=4,
+        real_tokens=2 * cfg.model.seq_length,
+        real_attention_pairs=100,
+        seq_length=cfg.model.seq_length,
+    )
     assert half["decoder"].executed_forward == full["decoder"].executed_forward  # padding still runs
     assert half["decoder"].useful_forward < full["decoder"].useful_forward
-    text_only = _work(cfg, samples=4, images=0, real_tokens=4 * cfg.model.seq_length,
-                      real_attention_pairs=4 * 80 * 81 // 2, seq_length=cfg.model.seq_length)
+    text_only = _work(
+        cfg,
+        samples=4,
+        images=0,
+        real_tokens=4 * cfg.model.seq_length,
+        real_attention_pairs=4 * 80 * 81 // 2,
+        seq_length=cfg.model.seq_length,
+    )
     assert text_only["vision_encoder"].flops.hardware == text_only["projector"].flops.hardware == 0
     assert text_only["decoder"] == full["decoder"]
 
@@ -207,8 +241,9 @@ def test_padding_and_text_only_batches():
 def test_flash_attention_executes_the_causal_triangle():
     cfg = _config()
     local = component_work(cfg, BatchTokens.unpadded(samples=2, images=2, seq_length=80), transformer_impl="local")
-    flash = component_work(cfg, BatchTokens.unpadded(samples=2, images=2, seq_length=80),
-                           transformer_impl="transformer_engine")
+    flash = component_work(
+        cfg, BatchTokens.unpadded(samples=2, images=2, seq_length=80), transformer_impl="transformer_engine"
+    )
     assert flash["decoder"].executed_forward == flash["decoder"].useful_forward < local["decoder"].executed_forward
 
 

@@ -13,15 +13,25 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import read_json, run_in
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
-    reason="needs a CUDA GPU with Transformer Engine (the H200 machine); CI has neither")
+    reason="needs a CUDA GPU with Transformer Engine (the H200 machine); CI has neither",
+)
 
-COMMON = ("model=tiny", "model.text_tokens=113", "hardware=h200", "parallel=3d", "batch.mbs=2", "batch.gbs=4",
-          "train.warmup_steps=3", "train.steps=4", "train.profile_steps=1", "data.fixed_batch=true")
+COMMON = (
+    "model=tiny",
+    "model.text_tokens=113",
+    "hardware=h200",
+    "parallel=3d",
+    "batch.mbs=2",
+    "batch.gbs=4",
+    "train.warmup_steps=3",
+    "train.steps=4",
+    "train.profile_steps=1",
+    "data.fixed_batch=true",
+)
 
 
 def _run(outputs, *overrides: str) -> dict:

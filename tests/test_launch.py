@@ -11,15 +11,15 @@ import time
 
 import psutil
 import pytest
-
 from conftest import read_json
+from sweep_testing import WORKER, processes_under
+
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch.lifeline import is_alive, start_ticks
 from moe_vlm_sweep.launch.local import cuda_alloc_conf, launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.plan.plan import make_plan
-from sweep_testing import WORKER, processes_under
 
 LONG = ["model=tiny", "train.warmup_steps=1", "train.steps=100000", "train.profile_steps=0"]
 
@@ -96,7 +96,7 @@ def test_a_killed_launcher_leaves_no_worker_behind(layout, tmp_path):
             time.sleep(0.2)
         cli.kill()
         cli.wait()
-        gone, alive = psutil.wait_procs(processes_under(tmp_path, WORKER), timeout=30)
+        _gone, alive = psutil.wait_procs(processes_under(tmp_path, WORKER), timeout=30)
         assert not alive, [p.info["cmdline"] for p in alive]
         assert "its launcher" in next((tmp_path / "runs").glob("*/worker.log")).read_text()
     finally:
@@ -118,12 +118,18 @@ def test_a_zombie_or_a_reused_pid_is_not_the_launcher():
     child.wait()
 
 
-@pytest.mark.parametrize("inherited, expandable, expected", [
-    (None, True, "expandable_segments:True"),
-    ("expandable_segments:True", False, "expandable_segments:False"),
-    ("garbage_collection_threshold:0.8, expandable_segments:False", True,
-     "garbage_collection_threshold:0.8,expandable_segments:True"),
-])
+@pytest.mark.parametrize(
+    "inherited, expandable, expected",
+    [
+        (None, True, "expandable_segments:True"),
+        ("expandable_segments:True", False, "expandable_segments:False"),
+        (
+            "garbage_collection_threshold:0.8, expandable_segments:False",
+            True,
+            "garbage_collection_threshold:0.8,expandable_segments:True",
+        ),
+    ],
+)
 def test_the_config_owns_the_allocators_expandable_segments(inherited, expandable, expected):
     """The shell's other allocator settings pass through; its expandable_segments never decides a run's memory."""
     assert cuda_alloc_conf(inherited, expandable) == expected

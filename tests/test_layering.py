@@ -27,9 +27,11 @@ def test_only_tracking_imports_mlflow():
 
 
 def test_worker_import_closure_has_no_sweep_stack():
-    code = ("import sys; import moe_vlm_sweep.train.worker, moe_vlm_sweep.train.loop, moe_vlm_sweep.model.build, "
-            "moe_vlm_sweep.data, moe_vlm_sweep.train.cpu_compat; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('optuna', 'mlflow', 'hydra')); "
-            "assert not bad, bad")
+    code = (
+        "import sys; import moe_vlm_sweep.train.worker, moe_vlm_sweep.train.loop, moe_vlm_sweep.model.build, "
+        "moe_vlm_sweep.data, moe_vlm_sweep.train.cpu_compat; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('optuna', 'mlflow', 'hydra')); "
+        "assert not bad, bad"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

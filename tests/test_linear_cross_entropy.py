@@ -42,13 +42,20 @@ def test_losses_and_gradients_equal_megatrons(megatron_world, monkeypatch, chunk
 def test_the_memory_bound_drops_the_logits_with_the_fusion():
     from moe_vlm_sweep.config.compose import compose_run_config
 
-    args = ["model=small", "hardware=h100", "parallel=3d", "batch.mbs=64", "batch.gbs=192",
-            "fusions.cross_entropy=false"]
+    args = [
+        "model=small",
+        "hardware=h100",
+        "parallel=3d",
+        "batch.mbs=64",
+        "batch.gbs=192",
+        "fusions.cross_entropy=false",
+    ]
     plain = compose_run_config(args)
     fused = compose_run_config([*args, "fusions.linear_cross_entropy=true"])
     tokens = 64 * 1599
     logits_fp32 = 4 * tokens * plain.model.decoder.vocab_size
     assert memory._output_bytes(plain, tokens, 2) - memory._output_bytes(fused, tokens, 2) == pytest.approx(
-        logits_fp32 - 4 * tokens)
+        logits_fp32 - 4 * tokens
+    )
     assert memory.transient_bytes(fused, 1599) < 0.2 * memory.transient_bytes(plain, 1599)
     assert fused.fusions.resolved(on_gpu=True)["cross_entropy"] is False

@@ -11,10 +11,16 @@ import pytest
 
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.plan.layout import sharded_seq_length
-from moe_vlm_sweep.plan.memory import (ACTIVATION_PARTS, GIB, activation_parts, estimate, microbatches_in_flight,
-                                       parameter_counts)
-from moe_vlm_sweep.plan.rules import ConfigError
+from moe_vlm_sweep.plan.memory import (
+    ACTIVATION_PARTS,
+    GIB,
+    activation_parts,
+    estimate,
+    microbatches_in_flight,
+    parameter_counts,
+)
 from moe_vlm_sweep.plan.plan import make_plan
+from moe_vlm_sweep.plan.rules import ConfigError
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -48,8 +54,11 @@ def _gpu_runs() -> list[tuple[str, dict]]:
 
 
 MEASURED = [(name, run["overrides"], run["peak_memory_gib"]) for name, run in _gpu_runs()]
-CENSUSES = [(name, run["overrides"], run["saved_activations_gib"], run["microbatches_in_flight"])
-            for name, run in _gpu_runs() if "saved_activations_gib" in run]
+CENSUSES = [
+    (name, run["overrides"], run["saved_activations_gib"], run["microbatches_in_flight"])
+    for name, run in _gpu_runs()
+    if "saved_activations_gib" in run
+]
 
 
 def test_the_results_hold_gpu_measurements():
@@ -92,10 +101,23 @@ def test_reference_model_has_its_documented_size():
 
 def test_sharding_divides_static_memory():
     one = estimate(compose_run_config(["model=small", "hardware=h200", "parallel=3d"])).static_gib
-    eight = estimate(compose_run_config(["model=small", "hardware=h200", "parallel=3d", "launcher=torchrun",
-                                         "launcher.nproc_per_node=8", "batch.gbs=8"])).static_gib
-    sharded = estimate(compose_run_config(["model=small", "hardware=h200", "launcher=torchrun",
-                                           "launcher.nproc_per_node=8", "batch.gbs=8"])).static_gib
+    eight = estimate(
+        compose_run_config(
+            [
+                "model=small",
+                "hardware=h200",
+                "parallel=3d",
+                "launcher=torchrun",
+                "launcher.nproc_per_node=8",
+                "batch.gbs=8",
+            ]
+        )
+    ).static_gib
+    sharded = estimate(
+        compose_run_config(
+            ["model=small", "hardware=h200", "launcher=torchrun", "launcher.nproc_per_node=8", "batch.gbs=8"]
+        )
+    ).static_gib
     assert eight < one / 2  # the distributed optimizer shards 12 of 18 bytes per parameter over DP=8
     assert sharded < eight  # Megatron-FSDP optim_grads_params shards weights and gradients too
 
@@ -105,26 +127,50 @@ def test_a_model_that_cannot_fit_is_refused_before_launch():
         make_plan(compose_run_config(["model=qwen3_vl_30b_a3b", "hardware=h200"]))
 
 
-@pytest.mark.parametrize("pp, vpp, gbs, expected", [
-    (1, 1, 16, 1), (2, 1, 16, 2), (2, 1, 1, 1),   # 1F1B: up to pp micro-batches, never more than the step has
-    (2, 2, 16, 2.5),                             # interleaved: 2 (pp-1) + (vpp-1) pp + 1 = 5 chunks of half a stage
-    (2, 2, 2, 2),                                # ... capped by the step's 2 micro-batches x 2 chunks
-])
+@pytest.mark.parametrize(
+    "pp, vpp, gbs, expected",
+    [
+        (1, 1, 16, 1),
+        (2, 1, 16, 2),
+        (2, 1, 1, 1),  # 1F1B: up to pp micro-batches, never more than the step has
+        (2, 2, 16, 2.5),  # interleaved: 2 (pp-1) + (vpp-1) pp + 1 = 5 chunks of half a stage
+        (2, 2, 2, 2),  # ... capped by the step's 2 micro-batches x 2 chunks
+    ],
+)
 def test_micro_batches_in_flight_follow_megatrons_schedules(pp, vpp, gbs, expected):
     from moe_vlm_sweep.plan.memory import microbatches_in_flight
 
-    cfg = compose_run_config(["model=tiny", "parallel=3d", f"parallel.pp={pp}", f"parallel.vpp={vpp}",
-                              "launcher=torchrun", f"launcher.nproc_per_node={pp}", "batch.mbs=1",
-                              f"batch.gbs={gbs}"])
+    cfg = compose_run_config(
+        [
+            "model=tiny",
+            "parallel=3d",
+            f"parallel.pp={pp}",
+            f"parallel.vpp={vpp}",
+            "launcher=torchrun",
+            f"launcher.nproc_per_node={pp}",
+            "batch.mbs=1",
+            f"batch.gbs={gbs}",
+        ]
+    )
     assert microbatches_in_flight(cfg) == expected
 
 
 def test_vision_activations_split_by_tp_except_the_norms():
     """The ViT and projector run the decoder's TP without sequence parallelism: more TP shrinks them, but never
     below their whole norms (an estimate above the real peak would refuse configs that fit)."""
+
     def vision(tp: int) -> float:
-        cfg = compose_run_config(["model=small", "hardware=h200", "parallel=3d", f"parallel.tp={tp}",
-                                  f"parallel.sp={tp > 1}", "launcher=torchrun", f"launcher.nproc_per_node={tp}"])
+        cfg = compose_run_config(
+            [
+                "model=small",
+                "hardware=h200",
+                "parallel=3d",
+                f"parallel.tp={tp}",
+                f"parallel.sp={tp > 1}",
+                "launcher=torchrun",
+                f"launcher.nproc_per_node={tp}",
+            ]
+        )
         return activation_parts(cfg, sharded_seq_length(cfg))["vision_encoder"]
 
     assert vision(1) / 2 < vision(2) < vision(1)

@@ -16,22 +16,40 @@ def test_a_real_cpu_allocation_failure_is_oom():
     assert classify(raised.value) == "oom", str(raised.value)
 
 
-@pytest.mark.parametrize("exc", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB"),
-    torch.distributed.DistBackendError(
-        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with "
-        "NCCL_DEBUG=INFO for details), NCCL version 2.27.3\nncclUnhandledCudaError: Call to CUDA function failed.\n"
-        "Last error:\nFailed to CUDA calloc async 24 bytes"),
-    torch.distributed.DistBackendError("NCCL error: unhandled cuda error, NCCL version 2.21.5\nLast error:\n"
-                                       "Cuda failure 'out of memory'"),
-    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
-    RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
-    RuntimeError("/workspace/TransformerEngine/transformer_engine/common/util/cuda_runtime.cpp:145 in function "
-                 "get_workspace: CUDA Error: cudaErrorMemoryAllocation"),
-    RuntimeError("transformer_engine/common/util/rtc.cpp:210 CUDA driver error: CUDA_ERROR_OUT_OF_MEMORY"),
-    RuntimeError("CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."),
-], ids=["torch", "nccl_calloc", "nccl_cuda_failure", "cublas_workspace", "cudnn_workspace", "te_runtime",
-        "te_driver", "cuda_runtime"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB"
+        ),
+        torch.distributed.DistBackendError(
+            "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with "
+            "NCCL_DEBUG=INFO for details), NCCL version 2.27.3\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+            "Last error:\nFailed to CUDA calloc async 24 bytes"
+        ),
+        torch.distributed.DistBackendError(
+            "NCCL error: unhandled cuda error, NCCL version 2.21.5\nLast error:\nCuda failure 'out of memory'"
+        ),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+        RuntimeError(
+            "/workspace/TransformerEngine/transformer_engine/common/util/cuda_runtime.cpp:145 in function "
+            "get_workspace: CUDA Error: cudaErrorMemoryAllocation"
+        ),
+        RuntimeError("transformer_engine/common/util/rtc.cpp:210 CUDA driver error: CUDA_ERROR_OUT_OF_MEMORY"),
+        RuntimeError("CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."),
+    ],
+    ids=[
+        "torch",
+        "nccl_calloc",
+        "nccl_cuda_failure",
+        "cublas_workspace",
+        "cudnn_workspace",
+        "te_runtime",
+        "te_driver",
+        "cuda_runtime",
+    ],
+)
 def test_each_librarys_out_of_memory_is_oom(exc):
     assert classify(exc) == "oom"
 
@@ -46,8 +64,13 @@ def test_an_out_of_memory_under_another_exception_is_oom():
         assert classify(outer) == "oom"
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("index 7 is out of bounds for dimension 0 with size 4"),
-                                 RuntimeError("CUDA error: an illegal memory access was encountered"),
-                                 ValueError("memory")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("index 7 is out of bounds for dimension 0 with size 4"),
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        ValueError("memory"),
+    ],
+)
 def test_other_failures_stay_crashes(exc):
     assert classify(exc) == "crash"

@@ -4,16 +4,23 @@ gradient-reduce and parameter-gather overlap on, give the losses of the same run
 from __future__ import annotations
 
 import pytest
-
 from conftest import read_json
 
 OVERLAP = ("parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true")
 
 
 def _losses(run_cli, *overrides: str) -> list[float]:
-    code, run_dir = run_cli("model=tiny", "launcher=torchrun", "launcher.nproc_per_node=2", "batch.mbs=1",
-                            "batch.gbs=4", "train.steps=3", "train.warmup_steps=1", "train.profile_steps=0",
-                            *overrides)
+    code, run_dir = run_cli(
+        "model=tiny",
+        "launcher=torchrun",
+        "launcher.nproc_per_node=2",
+        "batch.mbs=1",
+        "batch.gbs=4",
+        "train.steps=3",
+        "train.warmup_steps=1",
+        "train.profile_steps=0",
+        *overrides,
+    )
     assert code == 0, (run_dir / "worker.log").read_text()[-3000:]
     return read_json(run_dir / "metrics.json")["loss"]["values"]
 

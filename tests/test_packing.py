@@ -46,7 +46,7 @@ def test_pack_runs_the_samples_back_to_back_without_padding():
     assert (packed.position_ids[0, starts] == 0).all()  # and counts its positions from 0
     for start, n, row in zip(starts.tolist(), lengths, range(MBS)):
         for name in ("input_ids", "labels", "loss_mask", "position_ids"):
-            assert torch.equal(getattr(packed, name)[0, start:start + n], getattr(padded, name)[row, :n])
+            assert torch.equal(getattr(packed, name)[0, start : start + n], getattr(padded, name)[row, :n])
     with pytest.raises(ValueError, match="already packed"):
         pack(packed)
 
@@ -62,8 +62,12 @@ def test_a_packed_row_through_llava_gives_every_sample_its_padded_losses(megatro
     from moe_vlm_sweep.model.build import build_model_chunks
     from moe_vlm_sweep.train.loop import packed_inputs
 
-    cfg = RunConfig(model=MODEL, batch=BatchConf(mbs=MBS, gbs=MBS), parallel=ParallelConf(strategy="3d"),
-                    data=DataConf(packing=True))
+    cfg = RunConfig(
+        model=MODEL,
+        batch=BatchConf(mbs=MBS, gbs=MBS),
+        parallel=ParallelConf(strategy="3d"),
+        data=DataConf(packing=True),
+    )
     plan = make_plan(cfg)
     assert plan.decoder_row_length == MBS * plan.seq_length  # LLaVA must not truncate the packed row
     torch.manual_seed(0)
@@ -72,9 +76,17 @@ def test_a_packed_row_through_llava_gives_every_sample_its_padded_losses(megatro
     packed = pack(padded)
     assert packed_inputs(padded, plan.seq_length, "local") == {"attention_mask": None}
     with torch.no_grad():
-        outputs = [model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels,
-                         loss_mask=mb.loss_mask, **packed_inputs(mb, plan.seq_length, plan.transformer_impl))
-                   for mb in (padded, packed)]
+        outputs = [
+            model(
+                images=mb.images,
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                labels=mb.labels,
+                loss_mask=mb.loss_mask,
+                **packed_inputs(mb, plan.seq_length, plan.transformer_impl),
+            )
+            for mb in (padded, packed)
+        ]
     (padded_loss, padded_mask), (packed_loss, packed_mask) = outputs
     lengths = padded.decoder_lengths.tolist()
     assert packed_mask.shape == (1, packed.cu_seqlens[-1])
@@ -84,8 +96,14 @@ def test_a_packed_row_through_llava_gives_every_sample_its_padded_losses(megatro
     counted = packed_mask[0].bool()
     expected = torch.cat([padded_loss[i, :n] for i, n in enumerate(lengths)])
     assert torch.allclose(packed_loss[0, counted], expected[counted], rtol=1e-4, atol=1e-5)
-    unmasked = model(images=packed.images, input_ids=packed.input_ids, position_ids=packed.position_ids,
-                     labels=packed.labels, loss_mask=packed.loss_mask, attention_mask=None)[0]
+    unmasked = model(
+        images=packed.images,
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        labels=packed.labels,
+        loss_mask=packed.loss_mask,
+        attention_mask=None,
+    )[0]
     assert not torch.allclose(unmasked[0, counted], expected[counted], rtol=1e-3)  # the mask is what keeps them apart
 
 
@@ -105,9 +123,13 @@ def test_te_gets_the_rows_thd_boundaries_and_no_mask():
 
 
 def test_block_causal_mask_hides_other_samples_and_later_tokens():
-    packed = pack(SyntheticImages(ModelConf(text_tokens=8, vision=dataclasses.replace(MODEL.vision, image_size=8,
-                                                                                     patch_size=4)),
-                                  DataConf(), micro_batch_size=2).microbatch(0, 0))
+    packed = pack(
+        SyntheticImages(
+            ModelConf(text_tokens=8, vision=dataclasses.replace(MODEL.vision, image_size=8, patch_size=4)),
+            DataConf(),
+            micro_batch_size=2,
+        ).microbatch(0, 0)
+    )
     hidden = packed.block_causal_mask()[0, 0]
     cu = packed.cu_seqlens.tolist()
     for q in range(cu[-1]):
@@ -124,16 +146,19 @@ def test_packed_flops_execute_the_real_tokens_only():
     cfg = RunConfig(model=MODEL)
     work = component_work(cfg, packed, transformer_impl="transformer_engine")["decoder"]
     assert work.executed_forward == work.useful_forward
-    assert component_work(cfg, padded, transformer_impl="transformer_engine")["decoder"].useful_forward \
-        == work.useful_forward  # the same samples are the same useful work
+    assert (
+        component_work(cfg, padded, transformer_impl="transformer_engine")["decoder"].useful_forward
+        == work.useful_forward
+    )  # the same samples are the same useful work
     assert BatchTokens.mean([packed, packed]) == packed
     with pytest.raises(ValueError, match="packing"):
         BatchTokens.mean([packed, padded])
 
 
 def _gpu(*overrides: str) -> RunConfig:
-    return compose_run_config(["model=small", "hardware=h200", "parallel=3d", "batch.mbs=32", "batch.gbs=32",
-                               *overrides])
+    return compose_run_config(
+        ["model=small", "hardware=h200", "parallel=3d", "batch.mbs=32", "batch.gbs=32", *overrides]
+    )
 
 
 def test_packed_memory_counts_the_shortest_samples():

@@ -22,11 +22,21 @@ def test_every_field_of_every_group_is_classified():
     assert all(isinstance(k, Knob) for k in KNOBS.values())
 
 
-@pytest.mark.parametrize("path,expected", [
-    ("vision", Knob.RECIPE), ("model", Knob.RECIPE), ("dispatcher", Knob.RECIPE), ("batch.gbs", Knob.RECIPE),
-    ("batch.mbs", Knob.PERFORMANCE), ("parallel", Knob.PERFORMANCE), ("cuda_graph", Knob.PERFORMANCE),
-    ("data.packing", Knob.PERFORMANCE), ("train.lr", Knob.RECIPE), ("recompute", Knob.PERFORMANCE),
-])
+@pytest.mark.parametrize(
+    "path,expected",
+    [
+        ("vision", Knob.RECIPE),
+        ("model", Knob.RECIPE),
+        ("dispatcher", Knob.RECIPE),
+        ("batch.gbs", Knob.RECIPE),
+        ("batch.mbs", Knob.PERFORMANCE),
+        ("parallel", Knob.PERFORMANCE),
+        ("cuda_graph", Knob.PERFORMANCE),
+        ("data.packing", Knob.PERFORMANCE),
+        ("train.lr", Knob.RECIPE),
+        ("recompute", Knob.PERFORMANCE),
+    ],
+)
 def test_kind_of_a_field_or_a_group(path, expected):
     assert recipe.kind(path) is expected
 
@@ -35,9 +45,11 @@ def test_the_fingerprint_moves_with_recipe_fields_only():
     base = RunConfig()
     same = dataclasses.replace(base, batch=BatchConf(mbs=1, gbs=4))
     assert recipe.fingerprint(same) == recipe.fingerprint(base)  # MBS at a fixed GBS: performance
-    for changed in (dataclasses.replace(base, vision=VisionTrainingConf(name="trainable", freeze_encoder=True)),
-                    dataclasses.replace(base, dispatcher=DispatcherConf(capacity_factor=1.0, pad_to_capacity=True)),
-                    dataclasses.replace(base, batch=BatchConf(mbs=2, gbs=8))):
+    for changed in (
+        dataclasses.replace(base, vision=VisionTrainingConf(name="trainable", freeze_encoder=True)),
+        dataclasses.replace(base, dispatcher=DispatcherConf(capacity_factor=1.0, pad_to_capacity=True)),
+        dataclasses.replace(base, batch=BatchConf(mbs=2, gbs=8)),
+    ):
         assert recipe.fingerprint(changed) != recipe.fingerprint(base)
 
 
@@ -47,8 +59,12 @@ def test_the_plan_carries_the_fingerprint_and_what_differs_from_the_model():
 
     frozen = plan("model=small", "vision=frozen", "model.text_tokens=1089")
     assert frozen.recipe["fingerprint"] == recipe.fingerprint(frozen.run_config)
-    assert frozen.recipe["differs"] == {"model.text_tokens": 1089, "vision.name": "frozen",
-                                        "vision.freeze_encoder": True, "vision.freeze_projector": True}
+    assert frozen.recipe["differs"] == {
+        "model.text_tokens": 1089,
+        "vision.name": "frozen",
+        "vision.freeze_encoder": True,
+        "vision.freeze_projector": True,
+    }
     assert plan("model=small", "parallel=3d", "batch.mbs=1").recipe["differs"] == {}
 
 

@@ -20,7 +20,7 @@ def _quotes() -> list[tuple[str, str, str, str, str]]:
     found = []
     for match in QUOTED.finditer(README):
         name, commit, date, command = match.groups()
-        found.append((name, commit, date.rstrip("."), command, README[match.end():]))
+        found.append((name, commit, date.rstrip("."), command, README[match.end() :]))
     return found
 
 
@@ -35,8 +35,9 @@ def test_every_compare_output_is_quoted():
     assert outputs and outputs - quoted == set()
 
 
-@pytest.mark.parametrize("name, commit, date, command, after", _quotes(), ids=lambda v: v if "/" in v or
-                         v.endswith(".json") else None)
+@pytest.mark.parametrize(
+    "name, commit, date, command, after", _quotes(), ids=lambda v: v if "/" in v or v.endswith(".json") else None
+)
 def test_a_quoted_output_matches_its_file(name, commit, date, command, after):
     """The command, commit and date as the file holds them, and its table (the file's first block: a summary
     the script prints under it may be left to the prose) as the next block starting with the table's head."""
@@ -45,13 +46,13 @@ def test_a_quoted_output_matches_its_file(name, commit, date, command, after):
     table = data["table"].strip().split("\n\n")[0]
     head = table.splitlines()[0]
     assert head in after, f"{name}: its table is not quoted after its command"
-    assert after[after.index(head):].split("\n\n")[0].strip() == table
+    assert after[after.index(head) :].split("\n\n")[0].strip() == table
 
 
 @pytest.mark.parametrize("study", ["h200_single_small", "h200_proxy", "h200_small_s1664", "h200_small_fused"])
 def test_confirmation_medians_match_their_file(study):
     record = json.loads((RESULTS / study / "confirm.json").read_text())
-    section = README[README.index(f"`{study}/confirm.json`"):]
+    section = README[README.index(f"`{study}/confirm.json`") :]
     for candidate in record["candidates"]:
         median = f"{100 * candidate['median_values'][0]:.2f}" if candidate.get("median_values") else "-"
         assert re.search(rf"^#{candidate['trial']} \| [^|]+ \| [^|]+ \| {re.escape(median)} \|", section, re.M)

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from megatron_checks import LLAVA_SOURCE, STOOD_IN
 from omegaconf import OmegaConf
 
 from moe_vlm_sweep.config.compose import compose_config, compose_run_config, to_run_config
@@ -35,23 +36,33 @@ from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.plan.plan import make_plan
 from moe_vlm_sweep.plan.rules import Basis, Rule, broken
 
-from megatron_checks import LLAVA_SOURCE, STOOD_IN
-
 SEED, N_CONFIGS = 29, 300
 HERE = Path(__file__).resolve().parent
 
 
 def mirrors_a_check_made(rule: Rule, llava_ran: bool) -> bool:
-    return rule.basis is Basis.MEGATRON or (llava_ran and rule.basis is Basis.MODEL_BUILD
-                                             and rule.source.startswith(LLAVA_SOURCE))
+    return rule.basis is Basis.MEGATRON or (
+        llava_ran and rule.basis is Basis.MODEL_BUILD and rule.source.startswith(LLAVA_SOURCE)
+    )
+
 
 GROUPS = {
     "model": ["tiny", "tiny", "small", "small", "qwen3_vl_30b_a3b_proxy", "qwen3_vl_30b_a3b", "qwen3_vl_235b_a22b"],
     "hardware": ["h100", "h200", "b200", "gb200"],
     "parallel": ["3d", "3d", "fsdp"],
     "recompute": ["none", "none", "selective", "full"],
-    "cuda_graph": ["none", "none", "none", "none", "attn", "attn_moe_router", "attn_moe_router_preprocess", "layer_te",
-                   "layer_local", "full_iteration"],
+    "cuda_graph": [
+        "none",
+        "none",
+        "none",
+        "none",
+        "attn",
+        "attn_moe_router",
+        "attn_moe_router_preprocess",
+        "layer_te",
+        "layer_local",
+        "full_iteration",
+    ],
     "dispatcher": ["alltoall", "alltoall", "allgather", "flex_deepep", "flex_hybridep"],
     "fusions": ["auto", "auto", "on", "off"],
     "launcher": ["torchrun"],
@@ -109,9 +120,16 @@ def random_overrides(rng: random.Random) -> list[str]:
         pp, cp = _pick(rng, 1, 1, 2, 2, 4, 3), _pick(rng, 1, 1, 1, 2, 4)
         vpp = _pick(rng, 1, 2, 2, 3) if pp > 1 else _pick(rng, *[1] * 15, 2)
         ep, etp = _pick(rng, 1, 1, 2, 4, 8, 16, 3), _pick(rng, 1, 1, 1, 2, 4)
-        sp = tp > 1 and rng.random() < 0.85 or rng.random() < 0.03
-    o += [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.cp={cp}",
-          f"parallel.ep={ep}", f"parallel.etp={etp}", f"parallel.sp={str(sp).lower()}"]
+        sp = (tp > 1 and rng.random() < 0.85) or rng.random() < 0.03
+    o += [
+        f"parallel.tp={tp}",
+        f"parallel.pp={pp}",
+        f"parallel.vpp={vpp}",
+        f"parallel.cp={cp}",
+        f"parallel.ep={ep}",
+        f"parallel.etp={etp}",
+        f"parallel.sp={str(sp).lower()}",
+    ]
     dp = max(world // (tp * pp * cp), 1)
     mbs = _pick(rng, 1, 1, 2, 4)
     gbs = mbs * dp * _pick(rng, 1, 2, 3, 4, 8) * (pp if vpp > 1 and rng.random() < 0.7 else 1)
@@ -126,8 +144,10 @@ def random_overrides(rng: random.Random) -> list[str]:
     if rng.random() < 0.15:
         o.append(f"cuda_graph.modules=[{','.join(rng.sample(['attn', 'moe', 'moe_router', 'moe_preprocess'], 2))}]")
     if rng.random() < 0.5:
-        o += [f"dispatcher.capacity_factor={_pick(rng, 1.0, 1.5)}",
-              f"dispatcher.pad_to_capacity={str(rng.random() < 0.6).lower()}"]
+        o += [
+            f"dispatcher.capacity_factor={_pick(rng, 1.0, 1.5)}",
+            f"dispatcher.pad_to_capacity={str(rng.random() < 0.6).lower()}",
+        ]
     elif rng.random() < 0.1:
         o.append("dispatcher.pad_to_capacity=true")
     o.append(f"train.transformer_impl={_pick(rng, 'auto', 'auto', 'auto', 'auto', 'local', 'transformer_engine')}")
@@ -147,41 +167,76 @@ def random_overrides(rng: random.Random) -> list[str]:
 EXAMPLES = {
     "deepep_with_pad_to_capacity": (
         "hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.ep=2 dispatcher=flex_deepep "
-        "dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true", True, "deepep_cannot_pad"),
+        "dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true",
+        True,
+        "deepep_cannot_pad",
+    ),
     "interleaving_with_too_few_microbatches": (
         "model=small hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.pp=2 "
-        "parallel.vpp=2 batch.mbs=1 batch.gbs=1", True, "interleaving_needs_whole_microbatch_groups"),
+        "parallel.vpp=2 batch.mbs=1 batch.gbs=1",
+        True,
+        "interleaving_needs_whole_microbatch_groups",
+    ),
     "interleaving_with_a_short_last_group": (
         "model=small hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.pp=2 "
-        "parallel.vpp=2 batch.mbs=1 batch.gbs=3", True, "interleaving_needs_whole_microbatch_groups"),
+        "parallel.vpp=2 batch.mbs=1 batch.gbs=3",
+        True,
+        "interleaving_needs_whole_microbatch_groups",
+    ),
     "interleaving_with_whole_groups": (
         "model=small hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.pp=2 "
-        "parallel.vpp=2 batch.mbs=1 batch.gbs=4", False, None),
+        "parallel.vpp=2 batch.mbs=1 batch.gbs=4",
+        False,
+        None,
+    ),
     "deepep_counts_expert_tp_not_tp": (
         "hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.tp=2 parallel.sp=true "
-        "dispatcher=flex_deepep", True, "deepep_needs_model_parallel"),
+        "dispatcher=flex_deepep",
+        True,
+        "deepep_needs_model_parallel",
+    ),
     "deepep_over_expert_tp_alone": (
         "hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.etp=2 dispatcher=flex_deepep",
-        False, None),
+        False,
+        None,
+    ),
     "cp_pads_an_odd_sequence": (  # small: 1599 decoder tokens, padded by LLaVA to 1600 for cp=2
-        "model=small hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.cp=2", False, None),
+        "model=small hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.cp=2",
+        False,
+        None,
+    ),
     "tp_above_query_groups": (  # Qwen3-VL: 4 KV groups, replicated over TP 8
         "model=qwen3_vl_30b_a3b_proxy hardware=h200 launcher=torchrun launcher.nproc_per_node=8 parallel=3d "
-        "parallel.tp=8 parallel.sp=true batch.mbs=1 batch.gbs=2", False, None),
+        "parallel.tp=8 parallel.sp=true batch.mbs=1 batch.gbs=2",
+        False,
+        None,
+    ),
     "tp_neither_multiple_nor_divisor_of_query_groups": (
         "model=small hardware=h200 launcher=torchrun launcher.nproc_per_node=4 parallel=3d parallel.tp=4 "
         "parallel.sp=true model.decoder.num_attention_heads=24 model.decoder.num_query_groups=6 "
-        "model.decoder.kv_channels=64 batch.mbs=1 batch.gbs=1", True, "tp_and_query_groups_divide"),
+        "model.decoder.kv_channels=64 batch.mbs=1 batch.gbs=1",
+        True,
+        "tp_and_query_groups_divide",
+    ),
     "drop_and_pad_with_preprocess_graphs": (
         "model=small hardware=h200 parallel=3d cuda_graph=attn_moe_router_preprocess dispatcher.capacity_factor=1.0 "
-        "dispatcher.pad_to_capacity=true batch.mbs=1 batch.gbs=1", False, None),
+        "dispatcher.pad_to_capacity=true batch.mbs=1 batch.gbs=1",
+        False,
+        None,
+    ),
     "dropping_without_padding_with_preprocess_graphs": (
         "model=small hardware=h200 parallel=3d cuda_graph=attn_moe_router_preprocess dispatcher.capacity_factor=1.0 "
-        "batch.mbs=1 batch.gbs=1", True, "graph_preprocess_vs_alltoall_capacity"),
+        "batch.mbs=1 batch.gbs=1",
+        True,
+        "graph_preprocess_vs_alltoall_capacity",
+    ),
 }
 EXAMPLES["sp_with_local_specs_on_gpu"] = (  # LLaVA's constructor refuses it
     "hardware=h200 launcher=torchrun launcher.nproc_per_node=2 parallel=3d parallel.tp=2 parallel.sp=true "
-    "train.transformer_impl=local", True, "sp_on_gpu_needs_te")
+    "train.transformer_impl=local",
+    True,
+    "sp_on_gpu_needs_te",
+)
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +248,18 @@ def verdicts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("megatron")
     (folder / "plans.json").write_text(json.dumps([make_plan(c, validate=False).to_dict() for c in configs]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_checks.py"), str(folder / "plans.json"),
-                           str(folder / "verdicts.json")], capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "megatron_checks.py"), str(folder / "plans.json"), str(folder / "verdicts.json")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads((folder / "verdicts.json").read_text())
-    return dict(zip(EXAMPLES, found[:len(EXAMPLES)])), list(zip(samples, configs[len(EXAMPLES):],
-                                                                found[len(EXAMPLES):]))
+    return dict(zip(EXAMPLES, found[: len(EXAMPLES)])), list(
+        zip(samples, configs[len(EXAMPLES) :], found[len(EXAMPLES) :])
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
@@ -234,14 +295,19 @@ def test_check_agrees_with_megatron_core_on_random_configs(verdicts):
         passed += not fired
         refused_by_megatron += megatron is not None
         if megatron is not None and not mirrors:
-            missed.append(f"{' '.join(overrides)}\n    megatron-core: {megatron}\n    check: "
-                          f"{[r.name for r, _ in fired] or 'passes'}")
+            missed.append(
+                f"{' '.join(overrides)}\n    megatron-core: {megatron}\n    check: "
+                f"{[r.name for r, _ in fired] or 'passes'}"
+            )
         if megatron is None and mirrors:
             wrongly_megatron.append(f"{' '.join(overrides)}\n    labelled megatron-core's: {mirrors}")
         labelled += megatron is None and bool(fired)
     stood_in = "\nstood in on the CPU:\n  " + "\n  ".join(STOOD_IN)
     assert not missed, "megatron-core refuses, but no rule mirrors its check:\n" + "\n".join(missed) + stood_in
-    assert not wrongly_megatron, ("megatron-core accepts, but a rule says it mirrors megatron-core's check:\n"
-                                  + "\n".join(wrongly_megatron) + stood_in)
+    assert not wrongly_megatron, (
+        "megatron-core accepts, but a rule says it mirrors megatron-core's check:\n"
+        + "\n".join(wrongly_megatron)
+        + stood_in
+    )
     # the sample must exercise both sides and the labelled refusals in between
     assert passed >= 20 and refused_by_megatron >= 50 and labelled >= 20, (passed, refused_by_megatron, labelled)

@@ -6,6 +6,7 @@ MOE_VLM_SWEEP_REQUIRE_SLURM=1) a cluster that cannot start fails these tests; el
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -19,11 +20,11 @@ import psutil
 import pytest
 from hydra import compose, initialize_config_dir
 from optuna.trial import TrialState
+from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf
 
 from moe_vlm_sweep.config.compose import CONF_DIR, register
 from moe_vlm_sweep.launch.slurm import is_submitit, job_problems
 from moe_vlm_sweep.sweep import ledger
-from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,8 +34,11 @@ JOB = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 8, "timeout_min": 60, "
 def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="t"):
-        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+            return_hydra_config=True,
+        )
     job = cfg.hydra.launcher
     assert is_submitit(job) and job._target_.endswith("SlurmLauncher")
     assert (job.nodes, job.tasks_per_node, job.gpus_per_node, job.partition) == (1, 1, 8, "gpu")
@@ -43,16 +47,27 @@ def test_the_slurm_preset_composes_on_hydras_submitit_launcher():
     assert job_problems(job, nproc_per_node=8, nnodes=1, timeout_s=3600 - 239) != []
 
 
-@pytest.mark.parametrize("change, launcher, message", [
-    ({"tasks_per_node": 8}, {}, "hydra.launcher.tasks_per_node=8 must be 1: the job's one task starts the worker"),
-    ({"gpus_per_node": 4}, {}, "hydra.launcher.gpus_per_node=4 is less than launcher.nproc_per_node=8"),
-    ({"nodes": 2}, {}, "hydra.launcher.nodes=2 must be 1"),
-    ({}, {"nnodes": 2}, "launcher.nnodes=2: a run under Slurm is one node's process group"),
-    ({"timeout_min": 10}, {}, "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by at least 120 s "
-                              "+ hydra.launcher.signal_delay_s=120"),
-    ({"timeout_min": 13}, {}, "hydra.launcher.timeout_min=13 must exceed train.timeout_s=600 s by at least 120 s "),
-    ({"timeout_min": 11, "signal_delay_s": 0}, {}, "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s"),
-])
+@pytest.mark.parametrize(
+    "change, launcher, message",
+    [
+        ({"tasks_per_node": 8}, {}, "hydra.launcher.tasks_per_node=8 must be 1: the job's one task starts the worker"),
+        ({"gpus_per_node": 4}, {}, "hydra.launcher.gpus_per_node=4 is less than launcher.nproc_per_node=8"),
+        ({"nodes": 2}, {}, "hydra.launcher.nodes=2 must be 1"),
+        ({}, {"nnodes": 2}, "launcher.nnodes=2: a run under Slurm is one node's process group"),
+        (
+            {"timeout_min": 10},
+            {},
+            "hydra.launcher.timeout_min=10 must exceed train.timeout_s=600 s by at least 120 s "
+            "+ hydra.launcher.signal_delay_s=120",
+        ),
+        ({"timeout_min": 13}, {}, "hydra.launcher.timeout_min=13 must exceed train.timeout_s=600 s by at least 120 s "),
+        (
+            {"timeout_min": 11, "signal_delay_s": 0},
+            {},
+            "hydra.launcher.timeout_min=11 must exceed train.timeout_s=600 s",
+        ),
+    ],
+)
 def test_a_job_that_cannot_hold_the_run_is_named(change, launcher, message):
     problems = job_problems({**JOB, **change}, **{"nproc_per_node": 8, "nnodes": 1, **launcher}, timeout_s=600)
     assert len(problems) == 1 and message in problems[0], problems
@@ -63,10 +78,8 @@ def _scancel(job_id: int) -> None:
     it, the trial's worker included."""
     job = psutil.Process(job_id)
     for process in [*job.children(recursive=True), job]:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 SPACE = """defaults:
@@ -103,9 +116,14 @@ def _jobs(cluster, folder: Path) -> dict[str, str]:
 def _start_sweep(args: list[str], *, cwd: Path, conf: Path, log: Path) -> subprocess.Popen:
     """The sweep in a process group of its own, so the test can kill it as a shell's Ctrl-\\ or kill -9 -PGID
     would, without killing pytest."""
-    return subprocess.Popen([sys.executable, "-m", "moe_vlm_sweep.cli", *args], cwd=cwd,
-                            env={**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"},
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "moe_vlm_sweep.cli", *args],
+        cwd=cwd,
+        env={**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"},
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _wait(predicate, what: str, proc: subprocess.Popen | None, log: Path, timeout: float = 300):
@@ -140,15 +158,23 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
     command = ["run", "-m", "sweep=tiny2", *SLURM_CPU, "sweep.resume.stale=retry"]
     proc = _start_sweep(command, cwd=tmp_path, conf=conf, log=log)
-    submitit_dirs = lambda: list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))
+
+    def submitit_dirs() -> list[Path]:
+        return list((tmp_path / "outputs" / "multirun").glob("*/.submitit"))
+
     try:
         _wait(lambda: any(t.state == TrialState.COMPLETE for t in _trials(tmp_path)), "a finished trial", proc, log)
+
         # the first job done (Slurm may show it RUNNING for a moment after its result is read) and the second running
         def states() -> list[str]:
             return sorted(s for d in submitit_dirs() for s in _jobs(cluster, d).values())
 
-        _wait(lambda: states() == ["COMPLETED", "RUNNING"], "the first trial's job completed and the second's running",
-              proc, log)
+        _wait(
+            lambda: states() == ["COMPLETED", "RUNNING"],
+            "the first trial's job completed and the second's running",
+            proc,
+            log,
+        )
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
@@ -161,13 +187,15 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     study = only_study(tmp_path)
     trials = study.get_trials()
     counted = ledger.counted(trials)
-    assert len(counted) == 2 and all(t.user_attrs["failure_class"] == "ok" for t in counted), \
-        [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
+    assert len(counted) == 2 and all(t.user_attrs["failure_class"] == "ok" for t in counted), [
+        (t.number, t.state, t.user_attrs.get("failure_class")) for t in trials
+    ]
     assert len({tuple(sorted(t.params.items())) for t in counted}) == 2, "no config measured twice"
     interrupted = [t for t in trials if f"interrupted.{t.number}" in study.user_attrs]
     assert len(interrupted) == 1
-    assert [t.params for t in trials if t.user_attrs.get("retry_of") == interrupted[0].number] == \
-        [interrupted[0].params]
+    assert [t.params for t in trials if t.user_attrs.get("retry_of") == interrupted[0].number] == [
+        interrupted[0].params
+    ]
     cluster.wait_idle(timeout=300)  # the job the killed sweep waited for ran on to its end, unread
     jobs = {k: v for d in submitit_dirs() for k, v in _jobs(cluster, d).items()}
     assert list(jobs.values()) == ["COMPLETED"] * 3, jobs  # each counted trial's, and the one left running
@@ -183,14 +211,33 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
     same command again, and that sweep resumes the study (the trial it was running is marked interrupted)."""
     from test_sweep_e2e import _postgres_url
 
-    space = (SPACE.replace("n_trials: 2", "n_trials: 4")  # 6 configs
-             + "  vision: [trainable, frozen]\nallow_recipe_changes: [vision]\n")
+    space = (
+        SPACE.replace("n_trials: 2", "n_trials: 4")  # 6 configs
+        + "  vision: [trainable, frozen]\nallow_recipe_changes: [vision]\n"
+    )
     conf, quiet = private_conf(tmp_path, {"tiny4": space}), Path(os.devnull)
     storage, stop = _postgres_url(tmp_path)
-    proc = subprocess.Popen(_sweep_workers(storage, "--cluster", "slurm", "--seed", "7", "--slurm", "timeout_min=30",
-                                           "--folder", str(tmp_path / "submitit"), "--", "sweep=tiny4",
-                                           "sweep.study_name=shared"),
-                            cwd=tmp_path, env=_env(conf), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        _sweep_workers(
+            storage,
+            "--cluster",
+            "slurm",
+            "--seed",
+            "7",
+            "--slurm",
+            "timeout_min=30",
+            "--folder",
+            str(tmp_path / "submitit"),
+            "--",
+            "sweep=tiny4",
+            "sweep.study_name=shared",
+        ),
+        cwd=tmp_path,
+        env=_env(conf),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(2)]
         assert all(line.startswith("worker ") for line in lines), lines
@@ -231,8 +278,10 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
     gone = f"resume: trial #{interrupted} was left RUNNING by a sweep that is gone"
     assert stopped in logs or gone in logs, logs[-3000:]
     assert trials[interrupted].state == TrialState.FAIL
-    assert (f"interrupted.{interrupted}" in attrs  # marked on resume
-            or trials[interrupted].user_attrs.get("failure_class") == "interrupted")  # marked by the clean stop
+    assert (
+        f"interrupted.{interrupted}" in attrs  # marked on resume
+        or trials[interrupted].user_attrs.get("failure_class") == "interrupted"
+    )  # marked by the clean stop
     # the interrupted trial is re-run once (sweep.resume.stale=retry); every other config runs once
     launched = [t for t in trials if t.user_attrs.get("claim") == "launch" and t.number != interrupted]
     assert len(ledger.counted(trials)) == 4, [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
@@ -242,8 +291,17 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
 
 def _sweep_workers(storage: str, *args: str) -> list[str]:
     cluster = [] if "--cluster" in args else ["--cluster", "local"]
-    return [sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2", "--storage", storage,
-            *cluster, "--wait", *args]
+    return [
+        sys.executable,
+        str(ROOT / "launchers" / "sweep_workers.py"),
+        "--workers",
+        "2",
+        "--storage",
+        storage,
+        *cluster,
+        "--wait",
+        *args,
+    ]
 
 
 def _sweep_workers_module():
@@ -260,9 +318,21 @@ def _env(conf: Path) -> dict:
 @pytest.mark.slow
 def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
     conf = private_conf(tmp_path, {"tiny4": SPACE.replace("n_trials: 2", "n_trials: 3")})
-    proc = subprocess.Popen(_sweep_workers(f"sqlite:///{tmp_path / 'shared.db'}", "--folder", str(tmp_path / "submitit"),
-                                     "--", "sweep=tiny4", "sweep.study_name=shared"),
-                            cwd=tmp_path, env=_env(conf), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        _sweep_workers(
+            f"sqlite:///{tmp_path / 'shared.db'}",
+            "--folder",
+            str(tmp_path / "submitit"),
+            "--",
+            "sweep=tiny4",
+            "sweep.study_name=shared",
+        ),
+        cwd=tmp_path,
+        env=_env(conf),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(2)]
         job_ids = [line.split()[1].rstrip(":") for line in lines]
@@ -275,25 +345,37 @@ def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
     assert f"worker {job_ids[0]}: failed: UncompletedJobError" in out and f"worker {job_ids[1]}: exit 0" in out, out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--slurm", "timeout_min=4"], "--slurm timeout_min=4: a sweep job needs more than 300 s"),
-    (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "sweep.time_budget_s=2000"],
-     "sweep.time_budget_s=2000 does not fit the job: timeout_min=30 leaves at most 1500 s"),
-    (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "++sweep.time_budget_s=2000"],
-     "sweep.time_budget_s=2000 does not fit the job"),
-    (["--slurm", "timeout_min=90.5"], "--slurm timeout_min=90.5: expected whole minutes"),
-    (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "batch.mbz=2"], "the sweep's overrides do not compose"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--slurm", "timeout_min=4"], "--slurm timeout_min=4: a sweep job needs more than 300 s"),
+        (
+            ["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "sweep.time_budget_s=2000"],
+            "sweep.time_budget_s=2000 does not fit the job: timeout_min=30 leaves at most 1500 s",
+        ),
+        (
+            ["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "++sweep.time_budget_s=2000"],
+            "sweep.time_budget_s=2000 does not fit the job",
+        ),
+        (["--slurm", "timeout_min=90.5"], "--slurm timeout_min=90.5: expected whole minutes"),
+        (["--slurm", "timeout_min=30", "--", "sweep=cpu_demo", "batch.mbz=2"], "the sweep's overrides do not compose"),
+    ],
+)
 def test_sweep_workers_keep_the_sweeps_budget_inside_the_job(args, message, tmp_path):
     args = args if "--" in args else [*args, "--", "sweep=cpu_demo"]
-    proc = subprocess.run(_sweep_workers(f"sqlite:///{tmp_path / 'x.db'}", "--folder", str(tmp_path / "s"), *args),
-                          capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        _sweep_workers(f"sqlite:///{tmp_path / 'x.db'}", "--folder", str(tmp_path / "s"), *args),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists(), "nothing may be submitted"
 
 
-@pytest.mark.parametrize("space_budget, expected", [
-    (600, None), (5000, "sweep.time_budget_s=1500"), (None, "sweep.time_budget_s=1500")])
+@pytest.mark.parametrize(
+    "space_budget, expected", [(600, None), (5000, "sweep.time_budget_s=1500"), (None, "sweep.time_budget_s=1500")]
+)
 def test_sweep_workers_keep_a_smaller_budget_from_the_space_file(space_budget, expected, tmp_path):
     """A budget in the space's file stands when it fits the job, and is capped at the job's limit when not."""
     space = SPACE + (f"time_budget_s: {space_budget}\n" if space_budget else "")
@@ -305,21 +387,41 @@ def test_sweep_workers_keep_a_smaller_budget_from_the_space_file(space_budget, e
 
 
 def test_sweep_workers_refuse_sqlite_on_slurm():
-    proc = subprocess.run([sys.executable, str(ROOT / "launchers" / "sweep_workers.py"), "--workers", "2",
-                           "--storage", "sqlite:///x.db", "--", "sweep=cpu_demo"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launchers" / "sweep_workers.py"),
+            "--workers",
+            "2",
+            "--storage",
+            "sqlite:///x.db",
+            "--",
+            "sweep=cpu_demo",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "workers on several nodes need PostgreSQL storage" in proc.stderr
 
 
-@pytest.mark.parametrize("state, failure_class, optuna_state", [
-    ("TIMEOUT", "timeout", "fail"), ("OUT_OF_MEMORY", "oom", "pruned"), ("NODE_FAIL", "crash", "fail"),
-    ("CANCELLED by 1234", "crash", "fail")])
+@pytest.mark.parametrize(
+    "state, failure_class, optuna_state",
+    [
+        ("TIMEOUT", "timeout", "fail"),
+        ("OUT_OF_MEMORY", "oom", "pruned"),
+        ("NODE_FAIL", "crash", "fail"),
+        ("CANCELLED by 1234", "crash", "fail"),
+    ],
+)
 def test_a_lost_job_is_classified_by_the_slurm_state_submitit_reports(state, failure_class, optuna_state):
     from submitit.core.utils import UncompletedJobError
 
     from moe_vlm_sweep.sweep.trial import is_refused_submission, outcome_of_lost_job
 
-    exc = UncompletedJobError(f"Job 42 (task: 0) with path /x/42_0_result.pkl\nhas not produced any output "
-                              f"(state: {state})\nError stream produced:\nslurmstepd: error: ...")
+    exc = UncompletedJobError(
+        f"Job 42 (task: 0) with path /x/42_0_result.pkl\nhas not produced any output "
+        f"(state: {state})\nError stream produced:\nslurmstepd: error: ..."
+    )
     outcome = outcome_of_lost_job(exc)
     assert (outcome.failure_class, outcome.state) == (failure_class, optuna_state)
     assert not is_refused_submission(exc)
@@ -332,8 +434,10 @@ def test_a_long_error_stream_keeps_the_state_and_a_refused_submission_is_told_ap
 
     from moe_vlm_sweep.sweep.trial import is_refused_submission, outcome_of_lost_job
 
-    exc = UncompletedJobError("Job 7 (task: 0) with path /x\nhas not produced any output (state: TIMEOUT)\n"
-                              "Error stream produced:\n" + "noise\n" * 5000 + "slurmstepd: CANCELLED DUE TO TIME LIMIT")
+    exc = UncompletedJobError(
+        "Job 7 (task: 0) with path /x\nhas not produced any output (state: TIMEOUT)\n"
+        "Error stream produced:\n" + "noise\n" * 5000 + "slurmstepd: CANCELLED DUE TO TIME LIMIT"
+    )
     outcome = outcome_of_lost_job(exc)
     assert outcome.failure_class == "timeout" and len(outcome.reason) < 2000
     assert "(state: TIMEOUT)" in outcome.reason and outcome.reason.endswith("CANCELLED DUE TO TIME LIMIT")
@@ -358,12 +462,14 @@ LONG = ["train.steps=100000", "train.timeout_s=3000"]
 
 def _running_job(cluster, cwd: Path, proc, log: Path, seen: set) -> str:
     """The id of a trial's job the sweep submitted that is RUNNING and not in ``seen``."""
+
     def find():
         for folder in (cwd / "outputs" / "multirun").glob("*/.submitit"):
             for job, state in _jobs(cluster, folder).items():
                 if state == "RUNNING" and job not in seen:
                     return job
         return None
+
     return _wait(find, "a running trial job", proc, log)
 
 
@@ -373,8 +479,12 @@ def test_a_cancelled_job_is_a_crash_and_a_run_past_its_timeout_a_timeout(cluster
     runs. A run past train.timeout_s inside its job: the worker is killed and the trial is a timeout (the shape
     check keeps the job's limit beyond it, so Slurm's kill never comes first). Both in Optuna and MLflow."""
     conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
-    proc = _start_sweep(["run", "-m", "sweep=tiny2", *SLURM_CPU, "train.steps=100000", "train.timeout_s=40"],
-                        cwd=tmp_path, conf=conf, log=log)
+    proc = _start_sweep(
+        ["run", "-m", "sweep=tiny2", *SLURM_CPU, "train.steps=100000", "train.timeout_s=40"],
+        cwd=tmp_path,
+        conf=conf,
+        log=log,
+    )
     try:
         first = _running_job(cluster, tmp_path, proc, log, set())
         cluster.run("scancel", first)
@@ -389,16 +499,23 @@ def test_a_cancelled_job_is_a_crash_and_a_run_past_its_timeout_a_timeout(cluster
     assert "(state: CANCELLED" in trials[0].user_attrs["reason"], trials[0].user_attrs["reason"]
     assert "no result within train.timeout_s=40 s" in trials[1].user_attrs["reason"]
     children = children_by_trial(mlflow_runs(tmp_path))
-    assert [(children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"])
-            for t in trials] == [("FAILED", "crash"), ("FAILED", "timeout")]
+    assert [
+        (children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"]) for t in trials
+    ] == [("FAILED", "crash"), ("FAILED", "timeout")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides, message", [
-    (["hydra.launcher.tasks_per_node=2"], "hydra.launcher.tasks_per_node=2 must be 1"),
-    (["launcher=torchrun", "launcher.nnodes=2"], "launcher.nnodes=2: a run under Slurm is one node's process group"),
-    (["hydra.launcher.timeout_min=5"], "hydra.launcher.timeout_min=5 must exceed train.timeout_s=600 s"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["hydra.launcher.tasks_per_node=2"], "hydra.launcher.tasks_per_node=2 must be 1"),
+        (
+            ["launcher=torchrun", "launcher.nnodes=2"],
+            "launcher.nnodes=2: a run under Slurm is one node's process group",
+        ),
+        (["hydra.launcher.timeout_min=5"], "hydra.launcher.timeout_min=5 must exceed train.timeout_s=600 s"),
+    ],
+)
 def test_a_job_that_cannot_hold_the_runs_is_refused_before_submission(cluster, tmp_path, overrides, message):
     """Exit 2 with the knob and the rule, no traceback, and nothing reaches the scheduler or the outputs."""
     conf = private_conf(tmp_path, {"tiny2": SPACE})

@@ -15,13 +15,26 @@ import psutil
 import pytest
 import yaml
 from optuna.trial import TrialState
+from sweep_testing import (
+    FAST_TRAIN,
+    WORKER,
+    children_by_trial,
+    cli,
+    end_orphans,
+    exported_experiment,
+    mlflow_runs,
+    only_study,
+    private_conf,
+    processes_under,
+    start_cli,
+)
 
 from moe_vlm_sweep.sweep import ledger
-from sweep_testing import (FAST_TRAIN, WORKER, children_by_trial, cli, end_orphans, exported_experiment, mlflow_runs,
-                           only_study, private_conf, processes_under, start_cli)
 
 HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
-SMALL_SPACE = HEADER + """
+SMALL_SPACE = (
+    HEADER
+    + """
 n_trials: 3
 objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
 fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
@@ -30,6 +43,7 @@ params:
   vision: [trainable, frozen]
 allow_recipe_changes: [vision]
 """
+)
 
 
 def _assert_consistent(study: optuna.Study, runs: list, n_trials: int) -> None:
@@ -43,8 +57,11 @@ def _assert_consistent(study: optuna.Study, runs: list, n_trials: int) -> None:
     children = children_by_trial(runs)
     assert set(children) == {t.number for t in trials}
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children.values())
-    launched = [tuple(sorted(t.params.items())) for t in trials if t.user_attrs.get("claim") == "launch"
-                and t.number not in ledger.retried_numbers(trials)]
+    launched = [
+        tuple(sorted(t.params.items()))
+        for t in trials
+        if t.user_attrs.get("claim") == "launch" and t.number not in ledger.retried_numbers(trials)
+    ]
     assert len(launched) == len(set(launched)), launched
 
 
@@ -58,8 +75,10 @@ def test_cpu_demo_sweep_tracks_exports_and_reproduces(tmp_path):
     runs = mlflow_runs(tmp_path)
     _assert_consistent(study, runs, 6)
     expected = {"ok": "FINISHED", "duplicate": "KILLED"}
-    assert all(r.info.status == expected.get(r.data.tags["moe_vlm_sweep.failure_class"], "FAILED")
-               for r in children_by_trial(runs).values()), [(r.info.run_name, r.info.status) for r in runs]
+    assert all(
+        r.info.status == expected.get(r.data.tags["moe_vlm_sweep.failure_class"], "FAILED")
+        for r in children_by_trial(runs).values()
+    ), [(r.info.run_name, r.info.status) for r in runs]
     assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) >= 4
     child = children_by_trial(runs)[study.best_trial.number]
     assert child.data.tags["moe_vlm_sweep.data_realism"] == "synthetic_images"
@@ -101,7 +120,9 @@ def _assert_reported(tmp_path: Path, study: optuna.Study, runs: list, child, out
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     parent = next(r for r in runs if r.data.tags.get("moe_vlm_sweep.role") == "parent")
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "report")} >= {
-        "report/index.html", "report/history.png"}
+        "report/index.html",
+        "report/history.png",
+    }
     best = client.get_metric_history(parent.info.run_id, "best.effective_tokens_per_s_per_gpu")
     assert best and best[-1].value == pytest.approx(best_of_recipe.values[0])  # the baseline recipe's best
     assert "plan.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
@@ -111,13 +132,16 @@ def _assert_reported(tmp_path: Path, study: optuna.Study, runs: list, child, out
 
 def test_invalid_configs_are_never_launched(tmp_path):
     """Every config of this space breaks a rule (pipelining under FSDP, mbs not dividing gbs)."""
-    space = HEADER + """
+    space = (
+        HEADER
+        + """
 n_trials: 4
 fixed: {model: tiny, parallel: fsdp}
 params:
   parallel.pp: [2, 4]
   batch.mbs: [3, 5]
 """
+    )
     conf = private_conf(tmp_path, {"all_invalid": space})
     out = cli(["run", "-m", "sweep=all_invalid"], cwd=tmp_path, conf=conf).stdout
     assert out.count("-> INVALID") == 4
@@ -135,7 +159,9 @@ params:
 def test_injected_failures_are_classified_and_the_sweep_goes_on(tmp_path):
     """Real failures: vocab_size=1 crashes the data sampler, 100000 steps run past a 2 s timeout, lr=1e30 makes
     the loss NaN. Queued in the study, so each runs exactly once, then a healthy trial."""
-    space = HEADER + """
+    space = (
+        HEADER
+        + """
 n_trials: 4
 sampler: random
 objective: {metric: effective_tokens_per_s_per_gpu}
@@ -147,16 +173,23 @@ params:
   train.lr: [0.001, 1.0e+30]
   train.steps: [2, 100000]
 """
+    )
     conf = private_conf(tmp_path, {"failing": space})
     storage = f"sqlite:///{tmp_path / 'failing.db'}"
     study = optuna.create_study(study_name="failing", storage=storage, direction="maximize")
-    cases = {"crash": (1, 300.0, 0.001, 2), "timeout": (512, 2.0, 0.001, 100000), "nan": (512, 300.0, 1e30, 2),
-             "ok": (512, 300.0, 0.001, 2)}
+    cases = {
+        "crash": (1, 300.0, 0.001, 2),
+        "timeout": (512, 2.0, 0.001, 100000),
+        "nan": (512, 300.0, 1e30, 2),
+        "ok": (512, 300.0, 0.001, 2),
+    }
     for vocab, timeout_s, lr, steps in cases.values():
-        study.enqueue_trial({"model.decoder.vocab_size": vocab, "train.timeout_s": timeout_s, "train.lr": lr,
-                             "train.steps": steps})
-    out = cli(["run", "-m", "sweep=failing", f"sweep.storage={storage}", "sweep.study_name=failing"],
-              cwd=tmp_path, conf=conf).stdout
+        study.enqueue_trial(
+            {"model.decoder.vocab_size": vocab, "train.timeout_s": timeout_s, "train.lr": lr, "train.steps": steps}
+        )
+    out = cli(
+        ["run", "-m", "sweep=failing", f"sweep.storage={storage}", "sweep.study_name=failing"], cwd=tmp_path, conf=conf
+    ).stdout
     trials = optuna.load_study(study_name="failing", storage=storage).get_trials()
     assert [t.user_attrs["failure_class"] for t in trials] == list(cases), out
     assert [t.state for t in trials] == [TrialState.FAIL] * 3 + [TrialState.COMPLETE]
@@ -177,8 +210,10 @@ def test_kill_9_mid_trial_then_the_same_command_resumes(tmp_path, stale):
             # Read the study only once the sweep has made it (its first line): a half-made SQLite store raises.
             opened = "sweep: study" in (tmp_path / "first.log").read_text()
             trials = only_study(tmp_path).get_trials() if opened else []
-            if any(t.number >= 1 and t.user_attrs.get("claim") == "launch" and t.state == TrialState.RUNNING
-                   for t in trials) and processes_under(tmp_path, WORKER):
+            if any(
+                t.number >= 1 and t.user_attrs.get("claim") == "launch" and t.state == TrialState.RUNNING
+                for t in trials
+            ) and processes_under(tmp_path, WORKER):
                 break  # inside a trial: its worker is running
             assert sweep.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
             time.sleep(0.2)
@@ -233,10 +268,25 @@ def _postgres_url(tmp_path: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    subprocess.run([*as_user, initdb, "-D", str(data / "db"), "-U", "postgres", "--auth=trust"], check=True,
-                   capture_output=True)
-    subprocess.run([*as_user, pg_ctl, "-D", str(data / "db"), "-l", str(data / "log"), "-w", "-o",
-                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+    subprocess.run(
+        [*as_user, initdb, "-D", str(data / "db"), "-U", "postgres", "--auth=trust"], check=True, capture_output=True
+    )
+    subprocess.run(
+        [
+            *as_user,
+            pg_ctl,
+            "-D",
+            str(data / "db"),
+            "-l",
+            str(data / "log"),
+            "-w",
+            "-o",
+            f"-p {port} -k {data} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
 
     def stop():
         subprocess.run([*as_user, pg_ctl, "-D", str(data / "db"), "-m", "immediate", "stop"], capture_output=True)
@@ -256,8 +306,10 @@ def test_two_workers_share_one_study_without_duplicates(tmp_path, backend):
         storage, stop = _postgres_url(tmp_path)
     try:
         command = ["run", "-m", "sweep=small", f"sweep.storage={storage}", "sweep.study_name=shared"]
-        workers = [start_cli([*command, f"sweep.seed={seed}"], cwd=tmp_path, conf=conf, log=tmp_path / f"w{seed}.log")
-                   for seed in (1, 2)]
+        workers = [
+            start_cli([*command, f"sweep.seed={seed}"], cwd=tmp_path, conf=conf, log=tmp_path / f"w{seed}.log")
+            for seed in (1, 2)
+        ]
         for worker, seed in zip(workers, (1, 2)):
             assert worker.wait(timeout=600) == 0, (tmp_path / f"w{seed}.log").read_text()[-4000:]
         study = optuna.load_study(study_name="shared", storage=storage)
@@ -279,7 +331,9 @@ def test_grid_sweep_runs_on_the_basic_sweeper(tmp_path):
     assert not (tmp_path / "outputs" / "sweeps").exists()
 
 
-MIXED_REALISM_SPACE = HEADER + """
+MIXED_REALISM_SPACE = (
+    HEADER
+    + """
 n_trials: 4
 objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
 fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
@@ -287,6 +341,7 @@ allow_recipe_changes: [data]
 params:
   data: [synthetic_images, mock_text]
 """
+)
 
 
 @pytest.mark.slow
@@ -297,8 +352,7 @@ def test_a_sweep_over_mixed_data_realism_stops_clearly(tmp_path):
     text = proc.stdout + proc.stderr
     assert "data.realism" in text and "mock_text" in text and "synthetic_images" in text, text[-3000:]
     study = only_study(tmp_path)
-    realisms = {t.user_attrs.get("data_realism") for t in study.get_trials()
-                if t.state == TrialState.COMPLETE}
+    realisms = {t.user_attrs.get("data_realism") for t in study.get_trials() if t.state == TrialState.COMPLETE}
     assert len(realisms - {None}) <= 1  # nothing of a second realism was ever ranked
 
 
@@ -306,15 +360,20 @@ def test_a_sweep_over_mixed_data_realism_stops_clearly(tmp_path):
 def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
     """sweep.confirm=N: the top trials really re-train N times each; the exported best is the one that held."""
     conf = private_conf(tmp_path, {"small": SMALL_SPACE})
-    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.top_k=2", "sweep.verify_steps=3"], cwd=tmp_path,
-              conf=conf).stdout
+    out = cli(
+        ["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.top_k=2", "sweep.verify_steps=3"],
+        cwd=tmp_path,
+        conf=conf,
+    ).stdout
     study = only_study(tmp_path)
-    confirmation = json.loads((tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json")
-                              .read_text())
+    confirmation = json.loads(
+        (tmp_path / "outputs" / "sweeps" / study.study_name / "best" / "confirm.json").read_text()
+    )
     assert "confirm: re-running the top 2 trial(s) 1 time(s) each" in out
     assert [len(c["repeats"]) for c in confirmation["candidates"]] == [1, 1]
-    assert all(Path(tmp_path, r["run_dir"], "metrics.json").exists()
-               for c in confirmation["candidates"] for r in c["repeats"])
+    assert all(
+        Path(tmp_path, r["run_dir"], "metrics.json").exists() for c in confirmation["candidates"] for r in c["repeats"]
+    )
     winner = confirmation["winner"]
     assert winner is not None and f"best: trial #{winner};" in out
     experiment = exported_experiment(tmp_path, f"{study.study_name}_best").read_text()
@@ -326,8 +385,11 @@ def test_a_finished_sweep_confirms_its_top_trials_before_exporting(tmp_path):
     assert verdict == ("baseline" if winner == 0 else "pass"), out[-3000:]
     assert (verdict == "baseline") or "verify: PASS" in out
     trials = {t.number: t for t in study.get_trials()}
-    tagged = {n: r.data.tags["moe_vlm_sweep.recipe"] for n, r in children_by_trial(mlflow_runs(tmp_path)).items()
-              if "moe_vlm_sweep.recipe" in r.data.tags}  # launched trials: the fingerprint of what they trained
+    tagged = {
+        n: r.data.tags["moe_vlm_sweep.recipe"]
+        for n, r in children_by_trial(mlflow_runs(tmp_path)).items()
+        if "moe_vlm_sweep.recipe" in r.data.tags
+    }  # launched trials: the fingerprint of what they trained
     assert tagged and all(fingerprint == trials[n].user_attrs["recipe"] for n, fingerprint in tagged.items())
 
 
@@ -348,10 +410,12 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     _assert_consistent(study, mlflow_runs(tmp_path), 3)
     best = tmp_path / "outputs" / "sweeps" / study.study_name / "best"
     shutil.rmtree(best)  # the confirm=0 run exported; the postponed confirmation must export again
-    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
-              conf=conf).stdout
-    assert ("confirmation: postponed: re-run 1 of trial #" in out and "(the trial's own time)" in out
-            and " (unconfirmed); re-run it" in out), out
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path, conf=conf).stdout
+    assert (
+        "confirmation: postponed: re-run 1 of trial #" in out
+        and "(the trial's own time)" in out
+        and " (unconfirmed); re-run it" in out
+    ), out
     assert (best / "overrides.yaml").exists() and not (best / "confirm.json").exists()
     assert len(only_study(tmp_path).get_trials()) == len(study.get_trials())  # no trial started
     first = [t for t in study.get_trials() if "fixed_params" in t.system_attrs and "proposed_as" not in t.user_attrs]
@@ -361,15 +425,15 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
     winner = yaml.safe_load((best / "top.yaml").read_text())[0]
     assert winner["confirmed"], winner
     reruns = sorted((best.parent / "confirm" / "runs").iterdir())
-    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
-              conf=conf).stdout  # every re-run finished before: reused, however short the budget
+    out = cli(
+        ["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path, conf=conf
+    ).stdout  # every re-run finished before: reused, however short the budget
     # the candidates are the top trials of trial #0's recipe (vision frozen): up to 3, as many as it has
     candidates = len(json.loads((best / "confirm.json").read_text())["candidates"])
     assert out.count("(finished by an earlier confirmation)") == candidates and "<- holds" in out, out[-2000:]
     assert sorted((best.parent / "confirm" / "runs").iterdir()) == reruns
     shutil.rmtree(best.parent / "confirm")
-    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path,
-              conf=conf).stdout
+    out = cli(["run", "-m", "sweep=small", "sweep.confirm=1", "sweep.time_budget_s=1"], cwd=tmp_path, conf=conf).stdout
     assert f"best: trial #{winner['trial']} stays exported (it held in an earlier confirmation)" in out, out[-2000:]
     assert "after confirmation re-runs" in exported_experiment(tmp_path, f"{study.study_name}_best").read_text()
 

@@ -18,14 +18,17 @@ def test_discovery():
     assert MoeVlmSweeper.__name__ in [x.__name__ for x in Plugins.instance().discover(Sweeper)]
 
 
-@pytest.mark.parametrize("task_launcher_cfg, extra_flags", [
-    ({"defaults": [{"override hydra/sweeper": "moe_vlm_sweep"}, "_self_"], "sweep": {"n_trials": 1}}, ["-m"]),
-])
+@pytest.mark.parametrize(
+    "task_launcher_cfg, extra_flags",
+    [
+        ({"defaults": [{"override hydra/sweeper": "moe_vlm_sweep"}, "_self_"], "sweep": {"n_trials": 1}}, ["-m"]),
+    ],
+)
 class TestMoeVlmSweeperIntegration(IntegrationTestSuite):
     pass
 
 
-APP = '''
+APP = """
 import hydra
 
 
@@ -36,9 +39,9 @@ def main(cfg):
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
-CONFIG = '''
+CONFIG = """
 defaults:
   - override hydra/sweeper: moe_vlm_sweep
   - _self_
@@ -52,7 +55,7 @@ sweep:
   params:
     a: [1, 2, 3]
     b: [x, y]
-'''
+"""
 
 
 def test_after_a_repeated_config_the_sweep_walks_one_knob_out_from_the_best(tmp_path):
@@ -64,10 +67,12 @@ def test_after_a_repeated_config_the_sweep_walks_one_knob_out_from_the_best(tmp_
 
     (tmp_path / "app.py").write_text(APP)
     (tmp_path / "config.yaml").write_text(CONFIG)
-    out = subprocess.run([sys.executable, "app.py", "-m"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, check=True).stdout
-    lines = re.findall(r"^\[trial \d+/6\] #(\d+) a=(\d) b=(\w)(?: \(one knob from best trial #(\d+)\))? -> (\w+)",
-                       out, re.M)
+    out = subprocess.run(
+        [sys.executable, "app.py", "-m"], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    lines = re.findall(
+        r"^\[trial \d+/6\] #(\d+) a=(\d) b=(\w)(?: \(one knob from best trial #(\d+)\))? -> (\w+)", out, re.M
+    )
     assert len(lines) > 6, out  # the seeded sampler repeats itself
     configs = {int(number): (a, b) for number, a, b, _, _ in lines}
     walked = [(a, b, int(best)) for _, a, b, best, _ in lines if best]

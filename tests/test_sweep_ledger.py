@@ -29,8 +29,11 @@ def test_counted_skips_duplicates_and_retried_trials(study):
     for claim in ("launch", "duplicate", "surplus", "launch"):
         trial = study.ask()
         trial.set_user_attr("claim", claim)
-        study.tell(trial, 1.0 if claim == "launch" else None,
-                   state=TrialState.COMPLETE if claim == "launch" else TrialState.PRUNED)
+        study.tell(
+            trial,
+            1.0 if claim == "launch" else None,
+            state=TrialState.COMPLETE if claim == "launch" else TrialState.PRUNED,
+        )
     study.enqueue_trial({}, user_attrs={"retry_of": 3})
     assert [t.number for t in ledger.counted(study.get_trials())] == [0]
 
@@ -55,11 +58,14 @@ def test_a_remote_worker_is_stale_by_its_heartbeat(study):
 def test_claim_under_a_real_race(study):
     """Many pairs asked at once with the same params: never both launch."""
     for _ in range(10):
-        pair = [study.ask(fixed_distributions={"x": optuna.distributions.CategoricalDistribution([1])})
-                for _ in range(2)]
+        pair = [
+            study.ask(fixed_distributions={"x": optuna.distributions.CategoricalDistribution([1])}) for _ in range(2)
+        ]
         results = []
-        threads = [threading.Thread(target=lambda t=t: results.append(ledger.claim(study, t, {"x": 1})))
-                   for t in pair]
+        threads = [
+            threading.Thread(target=lambda t=t, results=results: results.append(ledger.claim(study, t, {"x": 1})))
+            for t in pair
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -107,10 +113,16 @@ def test_after_a_repeat_the_next_trial_walks_one_knob_out_from_the_best(study):
 
     space = Space.parse({"batch.mbs": [1, 2, 4], "vision": ["trainable", "frozen"]})
     for mbs, vision, value in ((1, "trainable", 1.0), (2, "trainable", 3.0), (4, "frozen", 2.0)):
-        study.add_trial(optuna.trial.create_trial(
-            params={"batch.mbs": mbs, "vision": vision}, value=value,
-            distributions={"batch.mbs": optuna.distributions.CategoricalDistribution([1, 2, 4]),
-                           "vision": optuna.distributions.CategoricalDistribution(["trainable", "frozen"])}))
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"batch.mbs": mbs, "vision": vision},
+                value=value,
+                distributions={
+                    "batch.mbs": optuna.distributions.CategoricalDistribution([1, 2, 4]),
+                    "vision": optuna.distributions.CategoricalDistribution(["trainable", "frozen"]),
+                },
+            )
+        )
     rng = random.Random(0)
     proposals = set()
     for _ in range(20):

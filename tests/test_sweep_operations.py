@@ -5,6 +5,7 @@ signals, a real read-only mount and a real full file system (tmpfs, where this m
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -17,9 +18,17 @@ import optuna
 import psutil
 import pytest
 from optuna.trial import TrialState
-
-from sweep_testing import (WORKER, children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf,
-                           processes_under, start_cli)
+from sweep_testing import (
+    WORKER,
+    children_by_trial,
+    cli,
+    end_orphans,
+    mlflow_runs,
+    only_study,
+    private_conf,
+    processes_under,
+    start_cli,
+)
 from test_sweep_e2e import SMALL_SPACE, _assert_consistent, _postgres_url
 
 ONE = SMALL_SPACE.replace("n_trials: 3", "n_trials: 1")
@@ -32,8 +41,10 @@ def _wait_in_trial(tmp_path: Path, sweep: subprocess.Popen, log: Path, number: i
         opened = "sweep: study" in log.read_text()
         trials = only_study(tmp_path).get_trials() if opened else []
         workers = processes_under(tmp_path, WORKER)
-        if workers and any(t.number == number and t.user_attrs.get("claim") == "launch"
-                           and t.state == TrialState.RUNNING for t in trials):
+        if workers and any(
+            t.number == number and t.user_attrs.get("claim") == "launch" and t.state == TrialState.RUNNING
+            for t in trials
+        ):
             return workers
         assert sweep.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.2)
@@ -58,6 +69,7 @@ def _free_port() -> int:
 
 # --- storage problems: exit 2 within seconds, in plain words -----------------------------------------------
 
+
 def _fails_fast(proc: subprocess.CompletedProcess, began: float, *words: str) -> None:
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
@@ -81,8 +93,12 @@ def test_an_unreachable_postgresql_server_is_named_at_once(tmp_path):
     url = f"postgresql://postgres@127.0.0.1:{_free_port()}/postgres"
     began = time.monotonic()
     proc = cli(["run", "-m", "sweep=one", f"sweep.storage={url}"], cwd=tmp_path, conf=conf, check=False, timeout=120)
-    _fails_fast(proc, began, "cannot reach the study's database server at postgresql+psycopg2://postgres@127.0.0.1",
-                "start the server")
+    _fails_fast(
+        proc,
+        began,
+        "cannot reach the study's database server at postgresql+psycopg2://postgres@127.0.0.1",
+        "start the server",
+    )
 
 
 def test_a_read_only_storage_path_is_named(tmp_path):
@@ -95,8 +111,13 @@ def test_a_read_only_storage_path_is_named(tmp_path):
         read_only.chmod(0o555)
     try:
         began = time.monotonic()
-        proc = cli(["run", "-m", "sweep=one", f"sweep.storage=sqlite:///{read_only}/optuna.db"], cwd=tmp_path,
-                   conf=conf, check=False, timeout=120)
+        proc = cli(
+            ["run", "-m", "sweep=one", f"sweep.storage=sqlite:///{read_only}/optuna.db"],
+            cwd=tmp_path,
+            conf=conf,
+            check=False,
+            timeout=120,
+        )
         _fails_fast(proc, began, f"sweep.storage=sqlite:///{read_only}/optuna.db:", "writable")
     finally:
         if os.geteuid() == 0:
@@ -116,8 +137,13 @@ def test_an_emptied_or_damaged_database_never_starts_the_study_over(tmp_path):
     db.write_bytes(b"")
     began = time.monotonic()
     proc = cli(["run", "-m", "sweep=one"], cwd=tmp_path, conf=conf, check=False, timeout=120)
-    _fails_fast(proc, began, f"study {db.parent.name} is not in sqlite:///{db}, but MLflow",
-                "holds 1 trial run(s) of it", "sweep.study_name=NEW")
+    _fails_fast(
+        proc,
+        began,
+        f"study {db.parent.name} is not in sqlite:///{db}, but MLflow",
+        "holds 1 trial run(s) of it",
+        "sweep.study_name=NEW",
+    )
     children = children_by_trial(mlflow_runs(tmp_path))
     assert len(children) == 1, "no second child run beside the first study's"
 
@@ -147,8 +173,12 @@ def test_a_postgresql_server_stopped_mid_sweep_is_said_plainly(tmp_path):
     storage, stop = _postgres_url(tmp_path)
     log = tmp_path / "sweep.log"
     try:
-        sweep = start_cli(["run", "-m", "sweep=small", f"sweep.storage={storage}", "sweep.study_name=pg"],
-                          cwd=tmp_path, conf=conf, log=log)
+        sweep = start_cli(
+            ["run", "-m", "sweep=small", f"sweep.storage={storage}", "sweep.study_name=pg"],
+            cwd=tmp_path,
+            conf=conf,
+            log=log,
+        )
         deadline = time.monotonic() + 300
         while not processes_under(tmp_path, WORKER):
             assert sweep.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
@@ -165,6 +195,7 @@ def test_a_postgresql_server_stopped_mid_sweep_is_said_plainly(tmp_path):
 
 
 # --- finished work is kept -----------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_a_killed_sweep_whose_worker_finished_keeps_the_result(tmp_path):
@@ -199,6 +230,7 @@ def test_a_killed_sweep_whose_worker_finished_keeps_the_result(tmp_path):
 
 # --- signals -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path, sig, code):
@@ -218,8 +250,10 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
     text = log.read_text()
     assert "Traceback" not in text, text[-4000:]
     lines = [line for line in text.splitlines() if line.startswith("sweep: stopped by")]
-    assert lines == [f"sweep: stopped by {sig.name}; trial #0 marked interrupted and queued to run again. "
-                     "Resume with: moe-vlm-sweep run -m sweep=small"], text[-3000:]
+    assert lines == [
+        f"sweep: stopped by {sig.name}; trial #0 marked interrupted and queued to run again. "
+        "Resume with: moe-vlm-sweep run -m sweep=small"
+    ], text[-3000:]
     study = only_study(tmp_path)
     assert study.trials[0].state == TrialState.FAIL and study.trials[0].user_attrs["failure_class"] == "interrupted"
     runs = mlflow_runs(tmp_path)
@@ -234,6 +268,7 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
 
 # --- uncontended measurements --------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_two_sweep_workers_on_one_host_never_measure_at_once(tmp_path, monkeypatch):
     """Two workers of one study on this machine's cores: every launched trial's run (from its first file to its
@@ -242,8 +277,10 @@ def test_two_sweep_workers_on_one_host_never_measure_at_once(tmp_path, monkeypat
     conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 4")})
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     command = ["run", "-m", "sweep=small", f"sweep.storage={storage}", "sweep.study_name=shared"]
-    workers = [start_cli([*command, f"sweep.seed={seed}"], cwd=tmp_path, conf=conf, log=tmp_path / f"w{seed}.log")
-               for seed in (1, 2)]
+    workers = [
+        start_cli([*command, f"sweep.seed={seed}"], cwd=tmp_path, conf=conf, log=tmp_path / f"w{seed}.log")
+        for seed in (1, 2)
+    ]
     try:
         for worker, seed in zip(workers, (1, 2)):
             assert worker.wait(timeout=900) == 0, (tmp_path / f"w{seed}.log").read_text()[-4000:]
@@ -252,9 +289,15 @@ def test_two_sweep_workers_on_one_host_never_measure_at_once(tmp_path, monkeypat
     study = optuna.load_study(study_name="shared", storage=storage)
     launched = [t for t in study.trials if t.user_attrs.get("claim") == "launch"]
     assert len({t.user_attrs["worker"] for t in launched}) == 2, "both workers should have run trials"
-    spans = sorted(((tmp_path / t.user_attrs["run_dir"] / "config.yaml").stat().st_mtime,
-                    (tmp_path / t.user_attrs["run_dir"] / "result.json").stat().st_mtime, t.number) for t in launched)
-    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+    spans = sorted(
+        (
+            (tmp_path / t.user_attrs["run_dir"] / "config.yaml").stat().st_mtime,
+            (tmp_path / t.user_attrs["run_dir"] / "result.json").stat().st_mtime,
+            t.number,
+        )
+        for t in launched
+    )
+    for (_, end, before), (start, _, after) in itertools.pairwise(spans):
         assert start >= end, f"trial #{after} started {end - start:.1f} s before trial #{before} ended"
     assert all(t.user_attrs["devices"].startswith("cpu-") for t in launched)
     # Live progress: the worker logs each step; the console echoes the running trial's steps and the time left.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import optuna
 import pytest
 import yaml
+from sweep_testing import cli, private_conf
 
 from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.config.recipe import TOKEN_DROPPING
@@ -14,10 +15,11 @@ from moe_vlm_sweep.export.recipes import RecipeError, chosen, note
 from moe_vlm_sweep.sweep.recipe import check_recipe, needs_drop_and_pad, recipe_changes
 from moe_vlm_sweep.sweep.space import Space
 from moe_vlm_sweep.sweep.spec import SweepSpecError
-from sweep_testing import cli, private_conf
 
 HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
-VISION_SPACE = HEADER + """
+VISION_SPACE = (
+    HEADER
+    + """
 n_trials: 2
 objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
 fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
@@ -25,21 +27,35 @@ params:
   batch.mbs: [1, 2]
   vision: [trainable, frozen]
 """
+)
 
 
-@pytest.mark.parametrize("params,varied", [
-    ({"vision": ["trainable", "frozen"]}, {"vision": ["vision.freeze_encoder", "vision.freeze_projector",
-                                                      "vision.name"]}),
-    ({"vision": ["trainable"]}, {}),  # one choice: every trial trains the same model
-    ({"batch.mbs": [1, 2], "parallel": ["fsdp", "3d"], "dispatcher": ["alltoall", "allgather"],
-      "cuda_graph": ["none", "attn"], "data.packing": [True, False]}, {}),
-    ({"batch.gbs": [4, 8]}, {"batch.gbs": ["batch.gbs"]}),
-    ({"train.lr": {"type": "float", "low": 1e-4, "high": 1e-3}}, {"train.lr": ["train.lr"]}),
-    ({"dispatcher.capacity_factor": [None, 1.0]}, {"dispatcher.capacity_factor": [TOKEN_DROPPING]}),
-    # layer_te graphs the experts, which needs drop-and-pad: token dropping, though no dispatcher field is searched
-    ({"cuda_graph": ["none", "layer_te"]}, {"cuda_graph": [TOKEN_DROPPING]}),
-    ({"cuda_graph.modules": [["attn"], ["attn", "moe"]]}, {"cuda_graph.modules": [TOKEN_DROPPING]}),
-])
+@pytest.mark.parametrize(
+    "params,varied",
+    [
+        (
+            {"vision": ["trainable", "frozen"]},
+            {"vision": ["vision.freeze_encoder", "vision.freeze_projector", "vision.name"]},
+        ),
+        ({"vision": ["trainable"]}, {}),  # one choice: every trial trains the same model
+        (
+            {
+                "batch.mbs": [1, 2],
+                "parallel": ["fsdp", "3d"],
+                "dispatcher": ["alltoall", "allgather"],
+                "cuda_graph": ["none", "attn"],
+                "data.packing": [True, False],
+            },
+            {},
+        ),
+        ({"batch.gbs": [4, 8]}, {"batch.gbs": ["batch.gbs"]}),
+        ({"train.lr": {"type": "float", "low": 1e-4, "high": 1e-3}}, {"train.lr": ["train.lr"]}),
+        ({"dispatcher.capacity_factor": [None, 1.0]}, {"dispatcher.capacity_factor": [TOKEN_DROPPING]}),
+        # layer_te graphs the experts, which needs drop-and-pad: token dropping, though no dispatcher field is searched
+        ({"cuda_graph": ["none", "layer_te"]}, {"cuda_graph": [TOKEN_DROPPING]}),
+        ({"cuda_graph.modules": [["attn"], ["attn", "moe"]]}, {"cuda_graph.modules": [TOKEN_DROPPING]}),
+    ],
+)
 def test_what_a_param_varies(params, varied):
     assert recipe_changes(Space.parse(params), CONF_DIR) == varied
 
@@ -50,12 +66,14 @@ def test_graph_scopes_that_capture_experts_need_drop_and_pad():
     assert not needs_drop_and_pad(CudaGraphConf(scope="attn", impl="transformer_engine", modules=["attn"]))
 
 
-@pytest.mark.parametrize("allowed", [["vision"], ["vision.freeze_encoder", "vision.freeze_projector",
-                                                  "vision.name"]])
+@pytest.mark.parametrize("allowed", [["vision"], ["vision.freeze_encoder", "vision.freeze_projector", "vision.name"]])
 def test_the_opt_in_names_the_param_or_its_fields(allowed):
     space = Space.parse({"vision": ["trainable", "frozen"], "batch.gbs": [4, 8]})
-    with pytest.raises(SweepSpecError, match=r"sweep.params.batch.gbs varies batch.gbs: .*allow_recipe_changes: "
-                                             r"\[batch.gbs\]"):
+    with pytest.raises(
+        SweepSpecError,
+        match=r"sweep.params.batch.gbs varies batch.gbs: .*allow_recipe_changes: "
+        r"\[batch.gbs\]",
+    ):
         check_recipe(space, allowed, CONF_DIR)
     assert set(check_recipe(space, [*allowed, "batch"], CONF_DIR)) == {"vision", "batch.gbs"}
 
@@ -74,11 +92,23 @@ def _mixed_study(storage=None) -> optuna.Study:
     study = optuna.create_study(study_name="mixed", storage=storage, direction="maximize")
     study.set_user_attr("objective_metrics", ["effective_tokens_per_s_per_gpu"])
     frozen = {"vision.name": "frozen", "vision.freeze_encoder": True, "vision.freeze_projector": True}
-    for value, recipe, differs, vision in ((1.0, "aaaa1111", {}, "trainable"), (5.0, "bbbb2222", frozen, "frozen"),
-                                           (2.0, "aaaa1111", {}, "trainable"), (4.0, "bbbb2222", frozen, "frozen")):
-        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
-            "overrides": ["model=tiny", f"vision={vision}"], "data_realism": "synthetic_images", "recipe": recipe,
-            "recipe_differs": differs}))
+    for value, recipe, differs, vision in (
+        (1.0, "aaaa1111", {}, "trainable"),
+        (5.0, "bbbb2222", frozen, "frozen"),
+        (2.0, "aaaa1111", {}, "trainable"),
+        (4.0, "bbbb2222", frozen, "frozen"),
+    ):
+        study.add_trial(
+            optuna.trial.create_trial(
+                value=value,
+                user_attrs={
+                    "overrides": ["model=tiny", f"vision={vision}"],
+                    "data_realism": "synthetic_images",
+                    "recipe": recipe,
+                    "recipe_differs": differs,
+                },
+            )
+        )
     return study
 
 
@@ -116,8 +146,10 @@ def test_export_of_one_recipe(tmp_path):
 
 @pytest.mark.slow
 def test_with_the_opt_in_the_sweep_runs_and_best_ranks_each_recipe_apart(tmp_path):
-    space = VISION_SPACE + ("allow_recipe_changes: [vision]\nfirst_trials:\n  - {batch.mbs: 1, vision: trainable}\n"
-                            "  - {batch.mbs: 1, vision: frozen}\n")
+    space = VISION_SPACE + (
+        "allow_recipe_changes: [vision]\nfirst_trials:\n  - {batch.mbs: 1, vision: trainable}\n"
+        "  - {batch.mbs: 1, vision: frozen}\n"
+    )
     conf = private_conf(tmp_path, {"vis": space})
     out = cli(["run", "-m", "sweep=vis", "sweep.verify=false"], cwd=tmp_path, conf=conf).stdout
     assert "sweep.params.vision may change the recipe" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,9 +13,9 @@ import time
 import urllib.request
 
 import pytest
+from sweep_testing import cli, private_conf
 
 from moe_vlm_sweep.tracking.mlflow_sink import flatten
-from sweep_testing import cli, private_conf
 
 SPACE = """defaults:
   - sweep_schema
@@ -35,8 +36,9 @@ def _free_port() -> int:
 
 def _api(port: int, path: str, body: dict | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/2.0/mlflow/{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/2.0/mlflow/{path}", data=data, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
@@ -56,8 +58,14 @@ def test_ui_serves_parent_and_children(tmp_path):
     cli(["run", "-m", "sweep=ui_space"], cwd=tmp_path, conf=conf)  # all invalid: tracked, nothing trained
     port = _free_port()
     env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf)}
-    ui = subprocess.Popen([sys.executable, "-m", "moe_vlm_sweep.cli", "ui", "--port", str(port)], cwd=tmp_path,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "moe_vlm_sweep.cli", "ui", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -76,9 +84,7 @@ def test_ui_serves_parent_and_children(tmp_path):
     finally:
         ui.send_signal(signal.SIGTERM)
         assert ui.wait(timeout=30) == 0
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(ui.pid, signal.SIGKILL)  # the server's own group is ended by `ui`; this one is ours
-        except ProcessLookupError:
-            pass
     with pytest.raises(OSError):
         _api(port, "experiments/search", {"max_results": 1})

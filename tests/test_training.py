@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import read_json
+
 from moe_vlm_sweep.metrics import schema as ms
 from moe_vlm_sweep.plan.memory import ACTIVATION_PARTS
 
@@ -39,8 +39,9 @@ def test_tiny_run_writes_every_metric(run_cli):
     split = metrics["component_split"]
     assert {f"{c}.{d}" for c in ms.COMPONENTS for d in ("forward", "backward")} <= set(split["seconds"])
     assert abs(sum(split["shares"].values()) - 1) < 1e-6
-    assert {"config.yaml", "plan.json", "command.sh", "worker.log", "result.json"} <= {p.name for p in
-                                                                                      run_dir.iterdir()}
+    assert {"config.yaml", "plan.json", "command.sh", "worker.log", "result.json"} <= {
+        p.name for p in run_dir.iterdir()
+    }
     assert read_json(run_dir / "result.json")["status"] == "ok"
 
 
@@ -52,8 +53,11 @@ def _census(run_cli, *overrides: str) -> tuple[dict, dict, str]:
     assert code == 0, (run_dir / "worker.log").read_text()
     census = read_json(run_dir / "metrics.json")["saved_activations"]
     layers = sum(v for k, v in census["measured_gib"].items() if k.startswith("decoder.layers."))
-    return {**census["measured_gib"], "decoder.layers": layers}, census["predicted_gib"], (
-        run_dir / "saved_tensors.txt").read_text()
+    return (
+        {**census["measured_gib"], "decoder.layers": layers},
+        census["predicted_gib"],
+        (run_dir / "saved_tensors.txt").read_text(),
+    )
 
 
 def test_the_census_counts_what_autograd_saves_per_part(run_cli):
@@ -97,8 +101,14 @@ def test_trace_covers_the_profile_steps(run_cli):
 
 
 def test_loss_falls_on_a_fixed_batch(run_cli):
-    code, run_dir = run_cli("model=tiny", "data.fixed_batch=true", "train.warmup_steps=0", "train.steps=30",
-                            "train.profile_steps=0", "train.lr=3e-3")
+    code, run_dir = run_cli(
+        "model=tiny",
+        "data.fixed_batch=true",
+        "train.warmup_steps=0",
+        "train.steps=30",
+        "train.profile_steps=0",
+        "train.lr=3e-3",
+    )
     assert code == 0, (run_dir / "worker.log").read_text()
     loss = read_json(run_dir / "metrics.json")["loss"]["values"]
     assert len(loss) == 30
@@ -119,8 +129,15 @@ def test_packed_training_matches_padded_on_real_tokens_only(run_cli):
     """Real tiny training through megatron's schedules and optimizer, one seed and batch, padded then packed."""
     runs = {}
     for packing in ("false", "true"):
-        code, run_dir = run_cli("model=tiny", "data.fixed_batch=true", "batch.mbs=2", "batch.gbs=4", "train.steps=3",
-                                "train.profile_steps=0", f"data.packing={packing}")
+        code, run_dir = run_cli(
+            "model=tiny",
+            "data.fixed_batch=true",
+            "batch.mbs=2",
+            "batch.gbs=4",
+            "train.steps=3",
+            "train.profile_steps=0",
+            f"data.packing={packing}",
+        )
         assert code == 0, (run_dir / "worker.log").read_text()[-3000:]
         runs[packing] = read_json(run_dir / "metrics.json")
     padded, packed = runs["false"], runs["true"]
@@ -136,14 +153,20 @@ def test_packed_training_matches_padded_on_real_tokens_only(run_cli):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_two_process_layouts_train(name, run_cli):
-    code, run_dir = run_cli("model=tiny", "launcher=torchrun", "launcher.nproc_per_node=2", "train.steps=3",
-                            *LAYOUTS[name])
+    code, run_dir = run_cli(
+        "model=tiny", "launcher=torchrun", "launcher.nproc_per_node=2", "train.steps=3", *LAYOUTS[name]
+    )
     assert code == 0, (run_dir / "worker.log").read_text()[-4000:]
     metrics = read_json(run_dir / "metrics.json")
     layout = metrics["layout"]
     assert layout["world_size"] == 2
-    expected = {"ep2": ("ep", 2), "tp2_sp": ("tp", 2), "pp2": ("pp", 2), "fsdp_dp2": ("dp", 2),
-                "ep2_packed": ("ep", 2)}[name]
+    expected = {
+        "ep2": ("ep", 2),
+        "tp2_sp": ("tp", 2),
+        "pp2": ("pp", 2),
+        "fsdp_dp2": ("dp", 2),
+        "ep2_packed": ("ep", 2),
+    }[name]
     assert layout[expected[0]] == expected[1]
     packed = metrics["real_tokens_per_step"] == metrics["padded_tokens_per_step"]
     assert packed == name.endswith("_packed")  # default data has padding, which only packing drops

@@ -17,8 +17,9 @@ def test_the_tolerance_is_the_reference_spread_against_itself():
     within = [6.0, 5.9 + HEADROOM * 1e-4 * 0.9, 5.7, 5.6 - HEADROOM * 3e-4 * 0.9]
     verdict = compare(REF, perturbed, within)
     assert verdict.passed and verdict.max_deviation_step == 3
-    assert verdict.tolerance == pytest.approx([HEADROOM * e + LOSS_RESOLUTION * r
-                                               for e, r in zip([0, 1e-4, 3e-4, 3e-4], REF)])
+    assert verdict.tolerance == pytest.approx(
+        [HEADROOM * e + LOSS_RESOLUTION * r for e, r in zip([0, 1e-4, 3e-4, 3e-4], REF)]
+    )
     # a first-step difference beyond the loss's resolution fails though later steps are noisy: the forward of
     # step 0 is the same under any layout, so only a change of the model (dropped tokens) moves it
     early = compare(REF, perturbed, [6.0 + 1e-4, *REF[1:]])
@@ -39,8 +40,22 @@ TWO = ["model=tiny", "launcher=torchrun", "launcher.nproc_per_node=2", "batch.gb
 
 @pytest.mark.slow
 def test_tp2_sp_passes_against_its_fsdp_reference(tmp_path, capsys):
-    code = main(["verify", *TWO, "parallel=3d", "parallel.tp=2", "parallel.sp=true", "--against", *TWO,
-                 "parallel=fsdp", "--steps", "6", "--outputs", str(tmp_path)])
+    code = main(
+        [
+            "verify",
+            *TWO,
+            "parallel=3d",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "--against",
+            *TWO,
+            "parallel=fsdp",
+            "--steps",
+            "6",
+            "--outputs",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "verify: PASS: largest loss deviation" in out and "batch.mbs=1 instead of 2" in out
@@ -53,8 +68,20 @@ def test_tp2_sp_passes_against_its_fsdp_reference(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_token_dropping_candidate_fails(tmp_path, capsys):
     one = ["model=tiny", "batch.gbs=4", "batch.mbs=2"]
-    code = main(["verify", *one, "dispatcher.capacity_factor=1.0", "dispatcher.pad_to_capacity=true",
-                 "--against", *one, "--steps", "4", "--outputs", str(tmp_path)])
+    code = main(
+        [
+            "verify",
+            *one,
+            "dispatcher.capacity_factor=1.0",
+            "dispatcher.pad_to_capacity=true",
+            "--against",
+            *one,
+            "--steps",
+            "4",
+            "--outputs",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1, out
     assert "verify: FAIL" in out and "nearest its tolerance at step 0" in out
@@ -69,8 +96,9 @@ def test_a_study_is_verified_as_its_winner_against_its_first_trial(tmp_path):
 
     study = optuna.create_study(direction="maximize")
     for mbs, value in ((1, 1.0), (2, 3.0), (4, 2.0)):
-        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"overrides": ["model=tiny",
-                                                                                        f"batch.mbs={mbs}"]}))
+        study.add_trial(
+            optuna.trial.create_trial(value=value, user_attrs={"overrides": ["model=tiny", f"batch.mbs={mbs}"]})
+        )
     assert study_pair(study, tmp_path) == (1, ["model=tiny", "batch.mbs=2"], ["model=tiny", "batch.mbs=1"])
     (tmp_path / "best").mkdir()
     (tmp_path / "best" / "top.yaml").write_text(yaml.safe_dump([{"trial": 2, "confirmed": True}]))

@@ -29,9 +29,9 @@ PATTERNS = {
     "lease": r"\blease[sd]?\b|\bleasing\b",
     "device call": r"\bdevice calls?\b",
     "refused machine request": r"\brefused (?:device |machine |GPU )?(?:calls?|requests?|starts?)\b"
-                               r"|\b(?:calls?|requests?) (?:was |were )?refused\b",
+    r"|\b(?:calls?|requests?) (?:was |were )?refused\b",
     "machine budget": r"\b(?:device|GPU|machine|H100|H200)(?: time)? budget\b|\bbudget_left\b"
-                      r"|\bbudget of (?:a|the) (?:machine|device|GPU)\b",
+    r"|\bbudget of (?:a|the) (?:machine|device|GPU)\b",
     ".kit": r"(?<![\w*.-])\.kit\b",
     ".whl": r"(?<![\w*.-])\.whl\b",
     "/tmp/site": r"/tmp/site\b",
@@ -41,8 +41,9 @@ WORDS = re.compile("|".join(f"(?P<p{i}>{p})" for i, p in enumerate(PATTERNS.valu
 
 
 def _searched() -> list[str]:
-    files = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     recorded = [f for f in files if f.startswith("benchmarks/results/") and f != "benchmarks/results/README.md"]
     return [f for f in files if f not in recorded and f != "tests/test_vocabulary.py"]
 
@@ -63,9 +64,26 @@ def test_no_tracked_file_speaks_of_how_the_project_was_made():
 
 
 def test_the_patterns_leave_the_projects_own_words_alone():
-    legit = ["start_new_session=True", '@pytest.fixture(scope="session")', "a release of TE", "sweep.time_budget_s=3500", "the rules refused batch.mbs=3",
-             "pip wheel -w dist && ls dist/*.whl", "mypkg-1.0.whl", "toolkit"]
-    caught = ["a GPU lease", "the fifth session", "nineteen refused calls", "GPU budget", "bash .kit/install.sh",
-              "PYTHONPATH=/tmp/site:x", "the issue's baseline", "one device call", "carrying .whl"]
+    legit = [
+        "start_new_session=True",
+        '@pytest.fixture(scope="session")',
+        "a release of TE",
+        "sweep.time_budget_s=3500",
+        "the rules refused batch.mbs=3",
+        "pip wheel -w dist && ls dist/*.whl",
+        "mypkg-1.0.whl",
+        "toolkit",
+    ]
+    caught = [
+        "a GPU lease",
+        "the fifth session",
+        "nineteen refused calls",
+        "GPU budget",
+        "bash .kit/install.sh",
+        "PYTHONPATH=/tmp/site:x",
+        "the issue's baseline",
+        "one device call",
+        "carrying .whl",
+    ]
     assert [t for t in legit if WORDS.search(t)] == []
     assert [t for t in caught if not WORDS.search(t)] == []

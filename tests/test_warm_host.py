@@ -14,14 +14,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import read_json
+from sweep_testing import WORKER, processes_under
+
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch import warm_host
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.plan.plan import make_plan
-from sweep_testing import WORKER, processes_under
 
 FAST = ["model=tiny", "train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
 LONG = ["model=tiny", "train.warmup_steps=1", "train.steps=100000", "train.profile_steps=0"]
@@ -120,8 +120,9 @@ def test_a_killed_launcher_leaves_neither_host_nor_trial(tmp_path):
         prepare(run_dir, plan, "")
         launch(plan, run_dir, warm=True)
     """)
-    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 120
         while len(processes_under(tmp_path, WORKER)) < 2:  # the host and its forked trial
@@ -131,7 +132,7 @@ def test_a_killed_launcher_leaves_neither_host_nor_trial(tmp_path):
         survivors = processes_under(tmp_path, WORKER)
         launcher.kill()
         launcher.wait()
-        gone, alive = psutil.wait_procs(survivors, timeout=30)
+        _gone, alive = psutil.wait_procs(survivors, timeout=30)
         assert not alive, [p.info["cmdline"] for p in alive]
         assert "its launcher" in next((tmp_path / "runs").glob("*/worker.log")).read_text()
     finally:

@@ -26,8 +26,9 @@ FAST_TRAIN = ["train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
 
 
 def _tracked() -> list[str]:
-    return subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
-                          check=True).stdout.splitlines()
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
 
 
 def _snapshot(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple[int, int]]:
@@ -52,9 +53,23 @@ def _build_wheel(tmp_path: Path) -> Path:
         if (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist"), str(source)], check=True, timeout=300)
-    wheel, = (tmp_path / "dist").glob("moe_vlm_sweep-*.whl")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("moe_vlm_sweep-*.whl")
     return wheel
 
 
@@ -63,11 +78,18 @@ def _venv(tmp_path: Path, wheel: Path) -> tuple[Path, Path]:
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True, symlinks=True)
     python = env_dir / "bin" / "python"
-    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     (site / "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
-                   timeout=300)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, timeout=300
+    )
     return env_dir / "bin", site
 
 
@@ -89,13 +111,20 @@ def test_the_wheel_runs_from_an_empty_folder_and_writes_nowhere_else(tmp_path):
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONUNBUFFERED="1")
 
     def tool(*args: str, timeout: float = 600) -> str:
-        proc = subprocess.run([str(bin_dir / "moe-vlm-sweep"), *args], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [str(bin_dir / "moe-vlm-sweep"), *args], cwd=work, env=env, capture_output=True, text=True, timeout=timeout
+        )
         assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         return proc.stdout
 
-    where = subprocess.run([bin_dir / "python", "-c", "import moe_vlm_sweep; print(moe_vlm_sweep.__file__)"],
-                           cwd=work, env=env, capture_output=True, text=True, check=True).stdout
+    where = subprocess.run(
+        [bin_dir / "python", "-c", "import moe_vlm_sweep; print(moe_vlm_sweep.__file__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert Path(where.strip()).is_relative_to(site), where
 
     skip = tuple(p for p in (ROOT / ".git", Path(sys.prefix)) if p.is_relative_to(ROOT))
@@ -107,7 +136,7 @@ def test_the_wheel_runs_from_an_empty_folder_and_writes_nowhere_else(tmp_path):
     assert "valid" in tool("check", "--config-dir", str(team.parent), "model=team_moe")
     tool("run", "model=tiny", *FAST_TRAIN)
     tool("run", "-m", "sweep=cpu_demo", "sweep.n_trials=2")
-    experiment, = re.findall(r"moe-vlm-sweep run \+experiment=(cpu_demo-\w+_best)\n", tool("best"))
+    (experiment,) = re.findall(r"moe-vlm-sweep run \+experiment=(cpu_demo-\w+_best)\n", tool("best"))
     assert (work / "outputs" / "conf" / "experiment" / f"{experiment}.yaml").is_file()
     tool("run", f"+experiment={experiment}")
 

@@ -71,16 +71,33 @@ def test_batches_are_deterministic_and_fixed_batch_repeats():
 
 def _metrics() -> Metrics:
     flops = {"total": ComponentFlops(model=2.0, hardware=3.0)}
-    return Metrics(data_realism="synthetic_images", hardware="cpu", device="cpu", layout={"tp": 1},
-                   step_time_s=StepTimes(median=0.1, p10=0.09, p90=0.2, mean=0.12, cv=0.1, steps=[0.1, 0.2]),
-                   tokens_per_s=10.0, tokens_per_s_per_gpu=10.0, effective_tokens_per_s=8.0,
-                   effective_tokens_per_s_per_gpu=8.0, padded_tokens_per_step=320, real_tokens_per_step=250,
-                   flops_per_step=flops, model_tflops_per_s_per_gpu=1e-3, hardware_tflops_per_s_per_gpu=2e-3,
-                   mfu=0.01, hfu=0.02, peak_tflops=0.1, peak_source="measured_matmul", peak_memory_gib=0.5,
-                   peak_memory_source="peak_rss", loss=Loss(values=[6.0, 5.0], phases=["warmup", "measured"]),
-                   component_split=ComponentSplit(seconds={"optimizer": 0.1}, shares={"optimizer": 1.0},
-                                                  profile_steps=1, measured_on="rank 0"),
-                   accounting_notes=["note"])
+    return Metrics(
+        data_realism="synthetic_images",
+        hardware="cpu",
+        device="cpu",
+        layout={"tp": 1},
+        step_time_s=StepTimes(median=0.1, p10=0.09, p90=0.2, mean=0.12, cv=0.1, steps=[0.1, 0.2]),
+        tokens_per_s=10.0,
+        tokens_per_s_per_gpu=10.0,
+        effective_tokens_per_s=8.0,
+        effective_tokens_per_s_per_gpu=8.0,
+        padded_tokens_per_step=320,
+        real_tokens_per_step=250,
+        flops_per_step=flops,
+        model_tflops_per_s_per_gpu=1e-3,
+        hardware_tflops_per_s_per_gpu=2e-3,
+        mfu=0.01,
+        hfu=0.02,
+        peak_tflops=0.1,
+        peak_source="measured_matmul",
+        peak_memory_gib=0.5,
+        peak_memory_source="peak_rss",
+        loss=Loss(values=[6.0, 5.0], phases=["warmup", "measured"]),
+        component_split=ComponentSplit(
+            seconds={"optimizer": 0.1}, shares={"optimizer": 1.0}, profile_steps=1, measured_on="rank 0"
+        ),
+        accounting_notes=["note"],
+    )
 
 
 def test_metrics_round_trip(tmp_path):
@@ -92,8 +109,9 @@ def test_metrics_round_trip(tmp_path):
 
 
 def test_failure_round_trip_and_class_check(tmp_path):
-    failure = Failure(failure_class="oom", exception_type="OutOfMemoryError", message="m", rank=1, step=3,
-                      traceback="tb")
+    failure = Failure(
+        failure_class="oom", exception_type="OutOfMemoryError", message="m", rank=1, step=3, traceback="tb"
+    )
     write_failure(tmp_path, failure)
     assert read_failure(tmp_path) == failure
     with pytest.raises(ValueError, match="failure_class='segfault'"):
@@ -111,11 +129,13 @@ def test_atomic_write_never_leaves_partial_files(tmp_path):
 
 def test_skip_jax_makes_jax_unimportable_for_te_without_breaking_spec_probes():
     """TE's ``from . import jax`` must end in the ImportError it ignores; ``find_spec`` probes must not raise."""
-    code = ("import importlib.util\n"
-            "from moe_vlm_sweep.train.worker import skip_jax\n"
-            "skip_jax()\n"
-            "assert importlib.util.find_spec('jax') is None\n"
-            "try:\n    import jax\nexcept ImportError:\n    print('jax skipped')\n")
+    code = (
+        "import importlib.util\n"
+        "from moe_vlm_sweep.train.worker import skip_jax\n"
+        "skip_jax()\n"
+        "assert importlib.util.find_spec('jax') is None\n"
+        "try:\n    import jax\nexcept ImportError:\n    print('jax skipped')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "jax skipped"
 
@@ -132,8 +152,9 @@ def test_a_failed_census_step_leaves_the_run_its_results():
         raise RuntimeError("saved tensor hooks are not supported here")
 
     measured, sources = Trainer._census_step(SimpleNamespace(chunks=[], _step=step), [])
-    assert measured is None and sources == ("the census step failed: RuntimeError: saved tensor hooks are not "
-                                            "supported here\n")
+    assert measured is None and sources == (
+        "the census step failed: RuntimeError: saved tensor hooks are not supported here\n"
+    )
     assert not torch._C._autograd._top_saved_tensors_default_hooks(False), "the hooks must be gone"
 
 
@@ -154,8 +175,11 @@ def test_fused_router_reaches_the_decoder_only(fused):
     from moe_vlm_sweep.model.build import decoder_config, projector_config, vision_config
     from moe_vlm_sweep.plan.plan import make_plan
 
-    plan = make_plan(compose_run_config(["model=tiny", "hardware=h200", "parallel=3d", "fusions=off",
-                                         f"fusions.moe_router={str(fused).lower()}"]))
+    plan = make_plan(
+        compose_run_config(
+            ["model=tiny", "hardware=h200", "parallel=3d", "fusions=off", f"fusions.moe_router={str(fused).lower()}"]
+        )
+    )
     decoder = decoder_config(plan)
     assert decoder.moe_router_fusion is fused
     assert not vision_config(plan, decoder).moe_router_fusion and not projector_config(plan, decoder).moe_router_fusion

@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 import optuna
 import sqlalchemy.exc
@@ -40,11 +40,26 @@ from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.devices import held as devices_held
 from moe_vlm_sweep.sweep.space import Space, fixed_overrides
 from moe_vlm_sweep.sweep.spec import SweepConf, SweepError, SweepSpecError, load_spec
-from moe_vlm_sweep.sweep.study import (StorageError, exploring, neighbor_of_best, open_study, storage_problem,
-                                       storage_url, study_name)
-from moe_vlm_sweep.sweep.trial import (INVALID_ERRORS, Outcome, is_refused_submission, is_run_config,
-                                       outcome_of_lost_job, outcome_of_result, outcome_of_value, plan_trial,
-                                       run_overrides)
+from moe_vlm_sweep.sweep.study import (
+    StorageError,
+    exploring,
+    neighbor_of_best,
+    open_study,
+    storage_problem,
+    storage_url,
+    study_name,
+)
+from moe_vlm_sweep.sweep.trial import (
+    INVALID_ERRORS,
+    Outcome,
+    is_refused_submission,
+    is_run_config,
+    outcome_of_lost_job,
+    outcome_of_result,
+    outcome_of_value,
+    plan_trial,
+    run_overrides,
+)
 
 MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
@@ -78,34 +93,37 @@ def _key(override: str) -> str:
 class SweeperImpl(Sweeper):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
-        self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
-                                                                task_function=task_function)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=task_function
+        )
         self.project = is_run_config(config)
         self.tracker: Any = None
-        self.stop_reason: Optional[str] = None
+        self.stop_reason: str | None = None
         """Set by a trial whose outcome must end the sweep (mixed data realism); the loop raises it."""
         self.budget = TimeBudget(None)
-        self.current: Optional[optuna.Trial] = None
+        self.current: optuna.Trial | None = None
         """The trial this process runs now, for an interrupting signal to mark."""
-        self.study: Optional[optuna.Study] = None
-        self.spec: Optional[SweepConf] = None
-        self.storage: Optional[str] = None
+        self.study: optuna.Study | None = None
+        self.spec: SweepConf | None = None
+        self.storage: str | None = None
         self.trial_seconds: list[float] = []
         """Wall seconds of each trial this process launched, for the time-left estimate."""
 
     # --- setup of one sweep -------------------------------------------------------------------------------
 
     @staticmethod
-    def job_overrides(spec: SweepConf, arguments: List[str]) -> List[str]:
+    def job_overrides(spec: SweepConf, arguments: list[str]) -> list[str]:
         """Every trial's base overrides: the space's fixed ones, then the command line (which wins)."""
         for parsed in OverridesParser.create().parse_overrides(arguments):
             if parsed.is_sweep_override():
-                raise SweepError(f"{parsed.input_line!r}: with this sweeper, searched knobs belong in the space "
-                                 "(sweep.params), not in a,b lists on the command line")
+                raise SweepError(
+                    f"{parsed.input_line!r}: with this sweeper, searched knobs belong in the space "
+                    "(sweep.params), not in a,b lists on the command line"
+                )
         given = {_key(a) for a in arguments}
         return [*(f for f in fixed_overrides(spec.fixed) if _key(f) not in given), *arguments]
 
-    def _sweep_dir(self, name: str) -> Optional[Path]:
+    def _sweep_dir(self, name: str) -> Path | None:
         """Where the study (and the export) of a moe-vlm-sweep sweep lives: stable, so a re-run resumes. Other
         apps get an in-memory study unless sweep.storage is set, like Hydra's own Optuna sweeper."""
         return Path(self.config.outputs_dir) / "sweeps" / name if self.project else None
@@ -117,13 +135,16 @@ class SweeperImpl(Sweeper):
         tracking = self.config.tracking
         uri = tracking.tracking_uri or mlflow_sink.default_uri(self.config.outputs_dir)
         tracker = mlflow_sink.SweepTracker(
-            tracking_uri=uri, experiment=tracking.experiment, study_name=name,
+            tracking_uri=uri,
+            experiment=tracking.experiment,
+            study_name=name,
             artifact_root=mlflow_sink.default_artifact_root(self.config.outputs_dir),
-            static_tags=provenance_tags(mlflow_sink.TAG))
+            static_tags=provenance_tags(mlflow_sink.TAG),
+        )
         tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": url})
         return tracker
 
-    def _lost_study(self, name: str) -> Optional[str]:
+    def _lost_study(self, name: str) -> str | None:
         """Why a new study must not be created under ``name``: MLflow already holds trials of it."""
         from moe_vlm_sweep.tracking import mlflow_sink
 
@@ -132,14 +153,21 @@ class SweeperImpl(Sweeper):
         found = mlflow_sink.recorded_trials(tracking_uri=uri, experiment=tracking.experiment, study_name=name)
         return f"MLflow ({uri}) holds {found} trial run(s) of it" if found else None
 
-    def _check_slurm_job(self, base: List[str]) -> None:
+    def _check_slurm_job(self, base: list[str]) -> None:
         """Before anything is submitted: the Slurm job must hold the runs' process group and timeout."""
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(base))
-        problems = slurm.job_problems(self.config.hydra.launcher, nproc_per_node=cfg.launcher.nproc_per_node,
-                                      nnodes=cfg.launcher.nnodes, timeout_s=cfg.train.timeout_s)
+        problems = slurm.job_problems(
+            self.config.hydra.launcher,
+            nproc_per_node=cfg.launcher.nproc_per_node,
+            nnodes=cfg.launcher.nnodes,
+            timeout_s=cfg.train.timeout_s,
+        )
         if problems:  # invalid input: exit 2 with the knobs and the rules, no traceback (SystemExit passes Hydra)
-            print("error: the Slurm job (hydra.launcher) cannot hold this sweep's runs: " + "; ".join(problems),
-                  file=sys.stderr, flush=True)
+            print(
+                "error: the Slurm job (hydra.launcher) cannot hold this sweep's runs: " + "; ".join(problems),
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(2)
 
     # --- resume -------------------------------------------------------------------------------------------
@@ -154,8 +182,11 @@ class SweeperImpl(Sweeper):
             self._tell(study, optuna.trial.Trial(study, trial._trial_id), outcome)
         except (RuntimeError, ValueError):
             return True  # another worker adopted it first
-        print(f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone, but its run finished "
-              f"({outcome.failure_class}, {found.run_dir}); its result is kept", flush=True)
+        print(
+            f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone, but its run finished "
+            f"({outcome.failure_class}, {found.run_dir}); its result is kept",
+            flush=True,
+        )
         return True
 
     def _recover(self, study: optuna.Study, spec: SweepConf) -> None:
@@ -167,18 +198,26 @@ class SweeperImpl(Sweeper):
             except (RuntimeError, ValueError):
                 continue  # another worker recovered it first
             study.set_user_attr(f"interrupted.{trial.number}", f"left RUNNING by {trial.user_attrs.get('worker')}")
-            retry = (spec.resume.stale == "retry" and "retry_of" not in trial.user_attrs
-                     and trial.user_attrs.get("claim") == "launch")
+            retry = (
+                spec.resume.stale == "retry"
+                and "retry_of" not in trial.user_attrs
+                and trial.user_attrs.get("claim") == "launch"
+            )
             if retry:
                 study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
-            print(f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone; marked failed "
-                  f"(interrupted){', re-queued once' if retry else ''}", flush=True)
+            print(
+                f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone; marked failed "
+                f"(interrupted){', re-queued once' if retry else ''}",
+                flush=True,
+            )
         if spec.resume.stale == "retry":
             for trial in ledger.unretried_interrupts(study.get_trials(deepcopy=False)):
                 # A second signal ended the sweep between marking the trial and queuing it again.
                 study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
-                print(f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once",
-                      flush=True)
+                print(
+                    f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once",
+                    flush=True,
+                )
         if self.tracker is not None:
             finished = study.get_trials(deepcopy=False, states=ledger.FINISHED)
             interrupted = {k for k in study.user_attrs if k.startswith("interrupted.")}
@@ -192,26 +231,30 @@ class SweeperImpl(Sweeper):
             failure_class = "interrupted"
         else:
             failure_class = trial.user_attrs.get("failure_class", {TrialState.COMPLETE: "ok"}.get(trial.state, "crash"))
-        tags = {f"moe_vlm_sweep.{k}": trial.user_attrs[k] for k in ("reason", "data_realism", "hardware", "recipe")
-                if k in trial.user_attrs}
+        tags = {
+            f"moe_vlm_sweep.{k}": trial.user_attrs[k]
+            for k in ("reason", "data_realism", "hardware", "recipe")
+            if k in trial.user_attrs
+        }
         return failure_class, {"sampled": trial.params, "overrides": trial.user_attrs.get("overrides", [])}, tags
 
     # --- one trial ----------------------------------------------------------------------------------------
 
-    def _validate(self, overrides: List[str]) -> Any:
+    def _validate(self, overrides: list[str]) -> Any:
         """(plan, None) for a launchable config, (None, reason) for an invalid one."""
         try:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             return plan_trial(cfg, overrides)[0], None
-        except INVALID_ERRORS + (HydraException, OmegaConfBaseException) as exc:
+        except (*INVALID_ERRORS, HydraException, OmegaConfBaseException) as exc:
             return None, str(exc)
 
-    def _run(self, study: optuna.Study, trial: optuna.Trial, spec: SweepConf, overrides: List[str]) -> Outcome:
+    def _run(self, study: optuna.Study, trial: optuna.Trial, spec: SweepConf, overrides: list[str]) -> Outcome:
         plan, reason = self._validate(overrides) if self.project else (None, None)
         if reason is not None:
             return Outcome(state="pruned", failure_class="invalid", reason=reason)
-        problem = plan and self._realism_problem(study, plan.run_config.data.realism,
-                                                 f"trial #{trial.number} samples data.realism")
+        problem = plan and self._realism_problem(
+            study, plan.run_config.data.realism, f"trial #{trial.number} samples data.realism"
+        )
         if problem:
             self.stop_reason = problem
             return Outcome(state="fail", failure_class="invalid", reason=problem)
@@ -223,26 +266,34 @@ class SweeperImpl(Sweeper):
             trial.set_user_attr("recipe", plan.recipe["fingerprint"])
             trial.set_user_attr("recipe_differs", plan.recipe["differs"])
         if self.tracker is not None:
-            tags = {"moe_vlm_sweep.data_realism": plan.run_config.data.realism,
-                    "moe_vlm_sweep.hardware": plan.run_config.hardware.name,
-                    "moe_vlm_sweep.recipe": plan.recipe["fingerprint"]}
-            run_id = self.tracker.start_trial(trial.number, params=plan.config, tags=tags,
-                                              label=progress.config_text(trial.params))
+            tags = {
+                "moe_vlm_sweep.data_realism": plan.run_config.data.realism,
+                "moe_vlm_sweep.hardware": plan.run_config.hardware.name,
+                "moe_vlm_sweep.recipe": plan.recipe["fingerprint"],
+            }
+            run_id = self.tracker.start_trial(
+                trial.number, params=plan.config, tags=tags, label=progress.config_text(trial.params)
+            )
             trial.set_user_attr("mlflow_run_id", run_id)
         on_host = self.project and not slurm.is_submitit(self.config.hydra.launcher)
         gpus = plan.run_config.launcher.nproc_per_node if plan and plan.device == "cuda" else 0
-        devices = (devices_held(gpus=gpus, say=lambda line: print(f"[trial #{trial.number}] {line}", flush=True))
-                   if on_host else contextlib.nullcontext(""))
-        tail = (progress.StepTail(Path(self.config.outputs_dir) / "runs", trial.number) if on_host
-                else contextlib.nullcontext())
+        devices = (
+            devices_held(gpus=gpus, say=lambda line: print(f"[trial #{trial.number}] {line}", flush=True))
+            if on_host
+            else contextlib.nullcontext("")
+        )
+        tail = (
+            progress.StepTail(Path(self.config.outputs_dir) / "runs", trial.number)
+            if on_host
+            else contextlib.nullcontext()
+        )
         watch = early_stop.EarlyStop.for_trial(study, trial, spec) if self.project else None
-        with (ledger.Heartbeat(trial, spec.resume.heartbeat_s), early_stop.watching(watch), devices as holding,
-              tail):
+        with ledger.Heartbeat(trial, spec.resume.heartbeat_s), early_stop.watching(watch), devices as holding, tail:
             if holding:
                 trial.set_user_attr("devices", holding)
             try:
                 job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
-            except Exception as exc:  # noqa: BLE001 -- the scheduler lost the job; the study must not
+            except Exception as exc:
                 if is_refused_submission(exc):
                     self.stop_reason = f"the scheduler refused trial #{trial.number}'s job: {exc}"
                     return Outcome(state="fail", failure_class="crash", reason=self.stop_reason)
@@ -264,16 +315,23 @@ class SweeperImpl(Sweeper):
         return outcome
 
     @staticmethod
-    def _realism_problem(study: optuna.Study, realism: Optional[str], what: str) -> Optional[str]:
+    def _realism_problem(study: optuna.Study, realism: str | None, what: str) -> str | None:
         known = study.user_attrs.get("data_realism")
         if known is None or realism == known:
             return None
-        return (f"{what}={realism}, but study {study.study_name} ranks {known} results; a study never mixes data "
-                "realism: fix data= in sweep.fixed or use a new sweep.study_name")
+        return (
+            f"{what}={realism}, but study {study.study_name} ranks {known} results; a study never mixes data "
+            "realism: fix data= in sweep.fixed or use a new sweep.study_name"
+        )
 
     def _tell(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome) -> None:
-        attrs = {"failure_class": outcome.failure_class, "reason": outcome.reason[-4000:], "run_dir": outcome.run_dir,
-                 "data_realism": outcome.metrics.get("data_realism"), "hardware": outcome.metrics.get("hardware")}
+        attrs = {
+            "failure_class": outcome.failure_class,
+            "reason": outcome.reason[-4000:],
+            "run_dir": outcome.run_dir,
+            "data_realism": outcome.metrics.get("data_realism"),
+            "hardware": outcome.metrics.get("hardware"),
+        }
         for key, value in attrs.items():
             if value:
                 trial.set_user_attr(key, value)
@@ -286,15 +344,19 @@ class SweeperImpl(Sweeper):
             if run_id is None:
                 run_id = self.tracker.start_trial(trial.number, params={"sampled": trial.params}, tags={})
             tags = {f"moe_vlm_sweep.{k}": v for k, v in attrs.items() if v and k != "failure_class"}
-            problem = self.tracker.finish_trial(run_id, failure_class=outcome.failure_class, tags=tags,
-                                                metrics=outcome.metrics, run_dir=outcome.run_dir)
+            problem = self.tracker.finish_trial(
+                run_id, failure_class=outcome.failure_class, tags=tags, metrics=outcome.metrics, run_dir=outcome.run_dir
+            )
             if problem:
-                print(f"warning: trial #{trial.number}'s MLflow run could not be logged whole ({problem}); it is "
-                      "marked FAILED there, and the study keeps the trial's result", flush=True)
+                print(
+                    f"warning: trial #{trial.number}'s MLflow run could not be logged whole ({problem}); it is "
+                    "marked FAILED there, and the study keeps the trial's result",
+                    flush=True,
+                )
 
     # --- the loop -----------------------------------------------------------------------------------------
 
-    def _parse(self, spec: SweepConf, base: List[str]) -> tuple[Space, list]:
+    def _parse(self, spec: SweepConf, base: list[str]) -> tuple[Space, list]:
         """The space and first trials, checked; a space that varies the recipe without its opt-in exits 2."""
         space = Space.parse(spec.params, fixed_keys=[_key(o) for o in run_overrides(base)])
         first = [space.point(values, f"sweep.first_trials[{i}]") for i, values in enumerate(spec.first_trials)]
@@ -308,11 +370,14 @@ class SweeperImpl(Sweeper):
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
             for key, fields in allowed.items():
-                print(f"sweep: sweep.params.{key} may change the recipe ({', '.join(fields)}; allowed by "
-                      "sweep.allow_recipe_changes): each recipe is ranked separately", flush=True)
+                print(
+                    f"sweep: sweep.params.{key} may change the recipe ({', '.join(fields)}; allowed by "
+                    "sweep.allow_recipe_changes): each recipe is ranked separately",
+                    flush=True,
+                )
         return space, first
 
-    def sweep(self, arguments: List[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> Any:
         """The sweep, with what stops it said in one line: a bad space or storage exits 2, a deliberate stop 1,
         SIGINT/SIGTERM 130/143 after marking the running trial interrupted (the same command resumes)."""
         if not self.project:
@@ -354,20 +419,22 @@ class SweeperImpl(Sweeper):
                 self._tell(study, trial, outcome_of_result(finished, self.spec.objective))
                 where = f"; trial #{trial.number} had finished and is kept"
             elif trial is not None and study is not None:
-                self._tell(study, trial, Outcome(state="fail", failure_class="interrupted",
-                                                 reason=f"the sweep was stopped by {stop}"))
+                self._tell(
+                    study,
+                    trial,
+                    Outcome(state="fail", failure_class="interrupted", reason=f"the sweep was stopped by {stop}"),
+                )
                 where = f"; trial #{trial.number} marked interrupted"
                 if trial.user_attrs.get("claim") == "launch" and "retry_of" not in trial.user_attrs:
                     study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
                     where += " and queued to run again"
             if self.tracker is not None:
                 self.tracker.close_sweep("KILLED")
-        except Exception as exc:  # noqa: BLE001 -- the next run recovers what this could not record
+        except Exception as exc:
             where += f" (could not record it all: {type(exc).__name__}; the next run recovers it)"
-        print(f"sweep: stopped by {stop}{where}. Resume with: {self._resume_command()}", file=sys.stderr,
-              flush=True)
+        print(f"sweep: stopped by {stop}{where}. Resume with: {self._resume_command()}", file=sys.stderr, flush=True)
 
-    def _sweep(self, arguments: List[str]) -> Any:
+    def _sweep(self, arguments: list[str]) -> Any:
         spec = self.spec = load_spec(self.config.get("sweep"))
         self.budget = TimeBudget(spec.time_budget_s)
         base = self.job_overrides(spec, list(arguments))
@@ -376,23 +443,28 @@ class SweeperImpl(Sweeper):
         space, first = self._parse(spec, base)
         if self.project:
             preflight.check_objective(spec.objective)
-            preflight.check_space(lambda o: self.hydra_context.config_loader.load_sweep_config(self.config, o),
-                                  space, base, first)
+            preflight.check_space(
+                lambda o: self.hydra_context.config_loader.load_sweep_config(self.config, o), space, base, first
+            )
         choices = self.config.hydra.runtime.choices
         name = study_name(choices.get("sweep") or "sweep", spec, run_overrides(base))
         sweep_dir = self._sweep_dir(name)
         url = self.storage = storage_url(spec, sweep_dir)
-        study = self.study = open_study(name=name, url=url, spec=spec,
-                                        lost=(lambda: self._lost_study(name)) if self.project else None)
+        study = self.study = open_study(
+            name=name, url=url, spec=spec, lost=(lambda: self._lost_study(name)) if self.project else None
+        )
         study.set_user_attr("objective_metrics", spec.objective.metrics)
         with warnings.catch_warnings():  # experimental in Optuna; it is how optuna-dashboard names the objectives
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.set_metric_names(spec.objective.metrics)
         self.tracker = self._open_tracker(name, url) if self.project else None
         where = url or "in memory (set sweep.storage to keep it)"
-        print(f"sweep: study {name} ({spec.n_trials} trials, {' and '.join(spec.objective.directions)} "
-              f"{' and '.join(spec.objective.metrics)})\n  optuna storage: {where}"
-              + (f"\n  mlflow: {self.tracker.tracking_uri} (moe-vlm-sweep ui)" if self.tracker else ""), flush=True)
+        print(
+            f"sweep: study {name} ({spec.n_trials} trials, {' and '.join(spec.objective.directions)} "
+            f"{' and '.join(spec.objective.metrics)})\n  optuna storage: {where}"
+            + (f"\n  mlflow: {self.tracker.tracking_uri} (moe-vlm-sweep ui)" if self.tracker else ""),
+            flush=True,
+        )
         self._recover(study, spec)
         if len(ledger.counted(study.get_trials(deepcopy=False))) < spec.n_trials:
             for point in first:  # skip_if_exists: once per study, across resumes and workers
@@ -409,17 +481,25 @@ class SweeperImpl(Sweeper):
             if done + len(ledger.in_flight(trials, spec.resume.stale_after_s)) >= spec.n_trials:
                 break
             if not self.budget.allows():
-                print(f"sweep: stopping at {done}/{spec.n_trials} trials: "
-                      f"{self.budget.why_not('another trial')}", flush=True)
+                print(
+                    f"sweep: stopping at {done}/{spec.n_trials} trials: {self.budget.why_not('another trial')}",
+                    flush=True,
+                )
                 return self._finish(study, spec, sweep_dir)
             with exploring(study, explorer, now=duplicates_in_a_row > 0):
                 trial = self.current = study.ask()
                 ledger.own(trial)
-                if ledger.is_surplus(study.get_trials(deepcopy=False), trial.number, spec.n_trials,
-                                     spec.resume.stale_after_s):
+                if ledger.is_surplus(
+                    study.get_trials(deepcopy=False), trial.number, spec.n_trials, spec.resume.stale_after_s
+                ):
                     trial.set_user_attr("claim", "surplus")
-                    self._tell(study, trial, Outcome(state="fail", failure_class="surplus",
-                                                     reason="the study was full when this trial was asked"))
+                    self._tell(
+                        study,
+                        trial,
+                        Outcome(
+                            state="fail", failure_class="surplus", reason="the study was full when this trial was asked"
+                        ),
+                    )
                     self.current = None
                     break
                 sampled = space.suggest(trial)
@@ -436,31 +516,49 @@ class SweeperImpl(Sweeper):
             proposal = duplicates_in_a_row and neighbor_of_best(study, space, walker)
             if proposal:  # the next ask takes it; the explorer fills in any param it leaves out
                 study.enqueue_trial(proposal[1], user_attrs={"proposed_as": f"one knob from best trial #{proposal[0]}"})
-            failures_in_a_row = (failures_in_a_row + 1 if outcome.failure_class in _LAUNCH_FAILURES
-                                 else 0 if outcome.ok else failures_in_a_row)
+            failures_in_a_row = (
+                failures_in_a_row + 1
+                if outcome.failure_class in _LAUNCH_FAILURES
+                else 0
+                if outcome.ok
+                else failures_in_a_row
+            )
             best = self._best(study)
             done_now = len(ledger.counted(study.get_trials(deepcopy=False)))
             if self.tracker is not None and best is not None and outcome.ok:
                 self.tracker.log_best(done_now, dict(zip(spec.objective.metrics, best.values)))
-            print(progress.trial_line(done=done_now,
-                                      total=spec.n_trials, number=trial.number, sampled=sampled,
-                                      failure_class=outcome.failure_class, values=outcome.values,
-                                      reason=outcome.reason, metric_names=spec.objective.metrics, best=best,
-                                      proposed_as=trial.user_attrs.get("proposed_as", ""),
-                                      left=progress.time_left(self.trial_seconds, spec.n_trials - done_now)),
-                  flush=True)
+            print(
+                progress.trial_line(
+                    done=done_now,
+                    total=spec.n_trials,
+                    number=trial.number,
+                    sampled=sampled,
+                    failure_class=outcome.failure_class,
+                    values=outcome.values,
+                    reason=outcome.reason,
+                    metric_names=spec.objective.metrics,
+                    best=best,
+                    proposed_as=trial.user_attrs.get("proposed_as", ""),
+                    left=progress.time_left(self.trial_seconds, spec.n_trials - done_now),
+                ),
+                flush=True,
+            )
             if self.stop_reason:
                 self._finish(study, spec, sweep_dir, status="FAILED")
                 raise SweepError(self.stop_reason)
             if failures_in_a_row >= spec.failure_budget:
                 self._finish(study, spec, sweep_dir, status="FAILED")
-                raise SweepError(f"stopping: the last {failures_in_a_row} launched trials all failed "
-                                 f"(sweep.failure_budget={spec.failure_budget}); see their worker.log files, "
-                                 "fix the space or raise sweep.failure_budget")
+                raise SweepError(
+                    f"stopping: the last {failures_in_a_row} launched trials all failed "
+                    f"(sweep.failure_budget={spec.failure_budget}); see their worker.log files, "
+                    "fix the space or raise sweep.failure_budget"
+                )
             if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
                 self._finish(study, spec, sweep_dir)
-                raise SweepError(f"stopping: {duplicates_in_a_row} samples in a row repeated tried configs; the "
-                                 f"space looks exhausted before sweep.n_trials={spec.n_trials}")
+                raise SweepError(
+                    f"stopping: {duplicates_in_a_row} samples in a row repeated tried configs; the "
+                    f"space looks exhausted before sweep.n_trials={spec.n_trials}"
+                )
         return self._finish(study, spec, sweep_dir, confirm=True)
 
     def _confirm(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path) -> Any:
@@ -469,73 +567,98 @@ class SweeperImpl(Sweeper):
         from moe_vlm_sweep.export.confirm import confirm, table
 
         print(f"confirm: re-running the top {spec.top_k} trial(s) {spec.confirm} time(s) each", flush=True)
-        def plan(overrides: List[str]) -> Any:
+
+        def plan(overrides: list[str]) -> Any:
             return plan_trial(self.hydra_context.config_loader.load_sweep_config(self.config, overrides), overrides)
 
-        confirmation = confirm(study, sweep_dir=sweep_dir, top_k=spec.top_k, repeats=spec.confirm,
-                               progress=lambda line: print(line, flush=True), plan=plan, budget=self.budget)
+        confirmation = confirm(
+            study,
+            sweep_dir=sweep_dir,
+            top_k=spec.top_k,
+            repeats=spec.confirm,
+            progress=lambda line: print(line, flush=True),
+            plan=plan,
+            budget=self.budget,
+        )
         if not confirmation.complete:
             print(f"confirmation: postponed: {confirmation.stopped}", flush=True)
             return None
         print(table(confirmation), flush=True)
         winner = confirmation.winner
         if self.tracker is not None:
-            self.tracker.log_sweep(params={}, tags={"moe_vlm_sweep.confirmed_trial":
-                                                    winner.trial.number if winner else "none"})
+            self.tracker.log_sweep(
+                params={}, tags={"moe_vlm_sweep.confirmed_trial": winner.trial.number if winner else "none"}
+            )
         if winner and spec.verify:
             self._verify(study, spec, sweep_dir, winner.trial, plan)
         return winner.trial if winner else False
 
-    def _verify(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, winner: optuna.trial.FrozenTrial,
-                plan: Any) -> None:
+    def _verify(
+        self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, winner: optuna.trial.FrozenTrial, plan: Any
+    ) -> None:
         """The confirmed winner against the study's first trial, same seeds and batches (``export/verify.py``):
         printed, written to ``<sweep_dir>/verify/verify.json`` and tagged on the MLflow parent run."""
         from moe_vlm_sweep.export.verify import VerifyError, verify
 
-        first = min((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("overrides")),
-                    key=lambda t: t.number)
+        first = min(
+            (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("overrides")), key=lambda t: t.number
+        )
         if first.number == winner.number:
             verdict_tags = {"moe_vlm_sweep.verify": "baseline"}
             print(f"verify: the winner is the study's first trial #{first.number}: nothing to compare", flush=True)
         elif not self.budget.allows(3 * self.budget.slowest):
             verdict_tags = {"moe_vlm_sweep.verify": "postponed"}
-            print(f"verify: postponed: {self.budget.why_not('its three runs', 3 * self.budget.slowest, 'three trials')}"
-                  f"; run it later: moe-vlm-sweep verify {study.study_name}", flush=True)
+            print(
+                f"verify: postponed: {self.budget.why_not('its three runs', 3 * self.budget.slowest, 'three trials')}"
+                f"; run it later: moe-vlm-sweep verify {study.study_name}",
+                flush=True,
+            )
         else:
-            print(f"verify: trial #{winner.number} against the study's first trial #{first.number} "
-                  f"({spec.verify_steps} steps each; sweep.verify=false skips)", flush=True)
+            print(
+                f"verify: trial #{winner.number} against the study's first trial #{first.number} "
+                f"({spec.verify_steps} steps each; sweep.verify=false skips)",
+                flush=True,
+            )
             try:
-                verdict = verify(winner.user_attrs["overrides"], first.user_attrs["overrides"],
-                                 steps=spec.verify_steps, out_dir=sweep_dir / "verify", plan=plan,
-                                 progress=lambda line: print(line, flush=True))
+                verdict = verify(
+                    winner.user_attrs["overrides"],
+                    first.user_attrs["overrides"],
+                    steps=spec.verify_steps,
+                    out_dir=sweep_dir / "verify",
+                    plan=plan,
+                    progress=lambda line: print(line, flush=True),
+                )
             except VerifyError as exc:
                 print(f"verify: ERROR: {exc}", flush=True)
                 verdict_tags = {"moe_vlm_sweep.verify": "error"}
             else:
                 print(verdict.summary(), flush=True)
-                verdict_tags = {"moe_vlm_sweep.verify": verdict.status,
-                                "moe_vlm_sweep.verify_max_loss_deviation": verdict.max_deviation,
-                                "moe_vlm_sweep.verify_max_deviation_step": verdict.max_deviation_step,
-                                "moe_vlm_sweep.verify_trials": f"#{winner.number} vs #{first.number}"}
+                verdict_tags = {
+                    "moe_vlm_sweep.verify": verdict.status,
+                    "moe_vlm_sweep.verify_max_loss_deviation": verdict.max_deviation,
+                    "moe_vlm_sweep.verify_max_deviation_step": verdict.max_deviation_step,
+                    "moe_vlm_sweep.verify_trials": f"#{winner.number} vs #{first.number}",
+                }
         if self.tracker is not None:
             self.tracker.log_sweep(params={}, tags={k: v for k, v in verdict_tags.items() if v is not None})
 
     @staticmethod
-    def _best(study: optuna.Study) -> Optional[optuna.trial.FrozenTrial]:
+    def _best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
         from moe_vlm_sweep.export.best import ranked
 
         top = ranked(study)
         return top[0] if top else None
 
-    def _finish(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED",
-                confirm: bool = False) -> Any:
+    def _finish(
+        self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED", confirm: bool = False
+    ) -> Any:
         """Print the top trials and export them; a sweep that ran to the end first confirms them
         (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did. A confirmation
         runs the re-runs the time budget holds and leaves the rest to the next run of the same command, and the
         best is exported unconfirmed meanwhile; an unconfirmed export never replaces an earlier confirmed one."""
         from moe_vlm_sweep.export.best import confirmed_export, export, ranked, realism_of
 
-        top = ranked(study)[:spec.top_k]
+        top = ranked(study)[: spec.top_k]
         realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         print(progress.table(top, spec.objective.metrics, realism=realism), flush=True)
         from moe_vlm_sweep.export.recipes import chosen, note
@@ -551,19 +674,31 @@ class SweeperImpl(Sweeper):
             if held is False:
                 print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)
             elif kept is not None:
-                print(f"best: trial #{kept} stays exported (it held in an earlier confirmation); this run's "
-                      f"unconfirmed best is #{top[0].number}", flush=True)
+                print(
+                    f"best: trial #{kept} stays exported (it held in an earlier confirmation); this run's "
+                    f"unconfirmed best is #{top[0].number}",
+                    flush=True,
+                )
             else:
-                exported = export(study, sweep_dir=sweep_dir, conf_dir=exports_dir(self.config.outputs_dir),
-                                  top_k=spec.top_k, confirmed=held)
+                exported = export(
+                    study,
+                    sweep_dir=sweep_dir,
+                    conf_dir=exports_dir(self.config.outputs_dir),
+                    top_k=spec.top_k,
+                    confirmed=held,
+                )
                 unconfirmed = " (unconfirmed)" if held is None and spec.confirm else ""
-                print(f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
-                      f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}", flush=True)
+                print(
+                    f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
+                    f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}",
+                    flush=True,
+                )
         if self.project and top:
             self._report(study, sweep_dir)
-        if self.tracker is not None:
-            if not ledger.in_flight(study.get_trials(deepcopy=False), spec.resume.stale_after_s):
-                self.tracker.close_sweep(status)
+        if self.tracker is not None and not ledger.in_flight(
+            study.get_trials(deepcopy=False), spec.resume.stale_after_s
+        ):
+            self.tracker.close_sweep(status)
         return top
 
     def _report(self, study: optuna.Study, sweep_dir: Path) -> None:
@@ -575,8 +710,11 @@ class SweeperImpl(Sweeper):
             path = write_report(study, out, links=[f"moe-vlm-sweep ui --outputs {self.config.outputs_dir}"])
             if self.tracker is not None:
                 self.tracker.log_sweep_files(out, REPORT_DIR)
-        except Exception as exc:  # noqa: BLE001 -- a report that cannot be drawn must not fail a finished sweep
-            print(f"warning: the report could not be written ({type(exc).__name__}: {exc}); "
-                  f"moe-vlm-sweep report {study.study_name} tries again", flush=True)
+        except Exception as exc:
+            print(
+                f"warning: the report could not be written ({type(exc).__name__}: {exc}); "
+                f"moe-vlm-sweep report {study.study_name} tries again",
+                flush=True,
+            )
             return
         print(f"report: {path}", flush=True)

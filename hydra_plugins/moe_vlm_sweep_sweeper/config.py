@@ -19,8 +19,9 @@ class MoeVlmSweeperConf:
     _target_: str = "hydra_plugins.moe_vlm_sweep_sweeper.moe_vlm_sweeper.MoeVlmSweeper"
 
 
-ConfigStore.instance().store(group="hydra/sweeper", name="moe_vlm_sweep", node=MoeVlmSweeperConf,
-                             provider="moe_vlm_sweep")
+ConfigStore.instance().store(
+    group="hydra/sweeper", name="moe_vlm_sweep", node=MoeVlmSweeperConf, provider="moe_vlm_sweep"
+)
 # The schema every space file starts from (``defaults: [sweep_schema, ...]``), so each SweepConf field exists in
 # the composed ``sweep`` node and ``sweep.storage=...`` works even where the space file does not mention it.
 ConfigStore.instance().store(group="sweep", name="sweep_schema", node=SweepConf, provider="moe_vlm_sweep")

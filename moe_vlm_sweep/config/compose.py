@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -92,8 +92,9 @@ def config_dir_overrides(args: Sequence[str]) -> list[str]:
             value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
             path = Path(value).expanduser().resolve()
             if not value or not path.is_dir():
-                raise CompositionError(f"--config-dir {value!r}: no such directory (it holds config groups, "
-                                       "e.g. model/our_model.yaml)")
+                raise CompositionError(
+                    f"--config-dir {value!r}: no such directory (it holds config groups, e.g. model/our_model.yaml)"
+                )
             dirs.append(f"file://{path}")
         else:
             rest.append(arg)
@@ -115,8 +116,10 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     """
     unknown = _unknown_keys(RunConfig, OmegaConf.to_container(cfg, resolve=False))
     if unknown:
-        raise CompositionError(f"unknown config key(s): {', '.join(unknown)} (see {CONF_DIR} and "
-                               "moe_vlm_sweep/config/schema.py for the valid ones)")
+        raise CompositionError(
+            f"unknown config key(s): {', '.join(unknown)} (see {CONF_DIR} and "
+            "moe_vlm_sweep/config/schema.py for the valid ones)"
+        )
     return to_typed(cfg, own_error=ConfigFieldError, wrap=lambda exc: CompositionError(str(exc)))
 
 

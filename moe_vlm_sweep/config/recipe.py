@@ -22,7 +22,8 @@ import enum
 import hashlib
 import json
 import typing
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from moe_vlm_sweep.config.schema import ModelConf, RunConfig, from_dict
 
@@ -38,40 +39,131 @@ P, R = Knob.PERFORMANCE, Knob.RECIPE
 
 KNOBS: dict[str, Knob] = {
     # model: the architecture and the sequence it sees, every field of it
-    "model.name": R, "model.images_per_sample": R, "model.text_tokens": R,
-    **{f"model.vision.{f}": R for f in ("kind", "num_layers", "hidden_size", "num_attention_heads",
-                                        "ffn_hidden_size", "patch_size", "image_size", "class_token_len",
-                                        "spatial_merge")},
-    "model.projector.kind": R, "model.projector.ffn_hidden_size": R,
-    **{f"model.decoder.{f}": R for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                                         "kv_channels", "ffn_hidden_size", "num_experts", "moe_router_topk",
-                                         "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                                         "moe_layer_freq", "moe_aux_loss_coeff", "vocab_size", "rotary_base",
-                                         "normalization")},
+    "model.name": R,
+    "model.images_per_sample": R,
+    "model.text_tokens": R,
+    **{
+        f"model.vision.{f}": R
+        for f in (
+            "kind",
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "patch_size",
+            "image_size",
+            "class_token_len",
+            "spatial_merge",
+        )
+    },
+    "model.projector.kind": R,
+    "model.projector.ffn_hidden_size": R,
+    **{
+        f"model.decoder.{f}": R
+        for f in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "ffn_hidden_size",
+            "num_experts",
+            "moe_router_topk",
+            "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+            "moe_layer_freq",
+            "moe_aux_loss_coeff",
+            "vocab_size",
+            "rotary_base",
+            "normalization",
+        )
+    },
     # parallel layout
-    **{f"parallel.{f}": P for f in ("strategy", "tp", "pp", "vpp", "cp", "ep", "etp", "sp", "fsdp_sharding",
-                                    "overlap_grad_reduce", "overlap_param_gather")},
+    **{
+        f"parallel.{f}": P
+        for f in (
+            "strategy",
+            "tp",
+            "pp",
+            "vpp",
+            "cp",
+            "ep",
+            "etp",
+            "sp",
+            "fsdp_sharding",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+        )
+    },
     # the global batch is the optimizer's; its split into micro-batches is not
-    "batch.mbs": P, "batch.gbs": R,
-    "recompute.granularity": P, "recompute.modules": P, "recompute.method": P, "recompute.num_layers": P,
-    "cuda_graph.scope": P, "cuda_graph.impl": P, "cuda_graph.modules": P, "cuda_graph.warmup_steps": P,
+    "batch.mbs": P,
+    "batch.gbs": R,
+    "recompute.granularity": P,
+    "recompute.modules": P,
+    "recompute.method": P,
+    "recompute.num_layers": P,
+    "cuda_graph.scope": P,
+    "cuda_graph.impl": P,
+    "cuda_graph.modules": P,
+    "cuda_graph.warmup_steps": P,
     # dropless routing over any backend is the same model; a capacity factor drops (or pads) tokens
-    "dispatcher.name": P, "dispatcher.token_dispatcher": P, "dispatcher.flex_backend": P,
-    "dispatcher.capacity_factor": R, "dispatcher.pad_to_capacity": R,
-    "vision.name": R, "vision.freeze_encoder": R, "vision.freeze_projector": R,
-    **{f"fusions.{f}": P for f in ("name", "bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy",
-                                   "gradient_accumulation", "bias_activation", "moe_router",
-                                   "linear_cross_entropy")},  # the same loss, chunked: tests hold it to megatron's
+    "dispatcher.name": P,
+    "dispatcher.token_dispatcher": P,
+    "dispatcher.flex_backend": P,
+    "dispatcher.capacity_factor": R,
+    "dispatcher.pad_to_capacity": R,
+    "vision.name": R,
+    "vision.freeze_encoder": R,
+    "vision.freeze_projector": R,
+    **{
+        f"fusions.{f}": P
+        for f in (
+            "name",
+            "bias_dropout",
+            "rope",
+            "masked_softmax",
+            "moe_permute",
+            "cross_entropy",
+            "gradient_accumulation",
+            "bias_activation",
+            "moe_router",
+            "linear_cross_entropy",
+        )
+    },  # the same loss, chunked: tests hold it to megatron's
     # packing runs the same samples without padding; the source, its realism and its seed are the data
-    "data.name": R, "data.realism": R, "data.min_text_fraction": R, "data.fixed_batch": R, "data.packing": P,
-    "data.seed": R, "data.shards": R,
+    "data.name": R,
+    "data.realism": R,
+    "data.min_text_fraction": R,
+    "data.fixed_batch": R,
+    "data.packing": P,
+    "data.seed": R,
+    "data.shards": R,
     **{f"hardware.{f}": P for f in ("name", "device", "peak_bf16_tflops", "memory_gib", "gpus_per_node")},
-    "launcher.name": P, "launcher.nproc_per_node": P, "launcher.nnodes": P,
-    "tracking.name": P, "tracking.backend": P, "tracking.tracking_uri": P, "tracking.experiment": P,
+    "launcher.name": P,
+    "launcher.nproc_per_node": P,
+    "launcher.nnodes": P,
+    "tracking.name": P,
+    "tracking.backend": P,
+    "tracking.tracking_uri": P,
+    "tracking.experiment": P,
     # how long and how a run is measured; not the optimization
-    **{f"train.{f}": P for f in ("warmup_steps", "steps", "profile_steps", "trace", "manual_gc",
-                                 "expandable_segments", "activation_census", "timeout_s", "transformer_impl")},
-    "train.seed": R, "train.lr": R, "train.precision": R,
+    **{
+        f"train.{f}": P
+        for f in (
+            "warmup_steps",
+            "steps",
+            "profile_steps",
+            "trace",
+            "manual_gc",
+            "expandable_segments",
+            "activation_census",
+            "timeout_s",
+            "transformer_impl",
+        )
+    },
+    "train.seed": R,
+    "train.lr": R,
+    "train.precision": R,
     "outputs_dir": P,
 }
 """Every leaf field of :class:`RunConfig`, by its dotted path, and its kind."""
@@ -151,5 +243,7 @@ def model_defaults(model_name: str) -> RunConfig:
 def summary(cfg: RunConfig) -> dict[str, Any]:
     """What plan.json and the trial record: ``fingerprint`` and the recipe fields that differ from the model's
     defaults (``differs``, path -> value)."""
-    return {"fingerprint": fingerprint(cfg),
-            "differs": differences(recipe_values(cfg), recipe_values(model_defaults(cfg.model.name)))}
+    return {
+        "fingerprint": fingerprint(cfg),
+        "differs": differences(recipe_values(cfg), recipe_values(model_defaults(cfg.model.name))),
+    }

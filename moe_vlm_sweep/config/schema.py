@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 class ConfigFieldError(ValueError):
@@ -22,7 +22,7 @@ def _choice(knob: str, value: Any, allowed: tuple) -> None:
         raise ConfigFieldError(f"{knob}={value!r} must be one of {', '.join(map(str, allowed))}")
 
 
-def _positive(knob: str, value: Optional[int | float], *, allow_zero: bool = False) -> None:
+def _positive(knob: str, value: int | float | None, *, allow_zero: bool = False) -> None:
     if value is None:
         return
     if value < 0 or (value == 0 and not allow_zero):
@@ -48,14 +48,15 @@ class VisionEncoderConf:
 
     def __post_init__(self) -> None:
         _choice("model.vision.kind", self.kind, ("clip", "siglip"))
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "patch_size",
-                     "image_size"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "patch_size", "image_size"):
             _positive(f"model.vision.{name}", getattr(self, name))
         _positive("model.vision.class_token_len", self.class_token_len, allow_zero=True)
         _choice("model.vision.spatial_merge", self.spatial_merge, (1, 2))
         if self.image_size % self.patch_size:
-            raise ConfigFieldError(f"model.vision.image_size={self.image_size} must be a multiple of "
-                                   f"model.vision.patch_size={self.patch_size}")
+            raise ConfigFieldError(
+                f"model.vision.image_size={self.image_size} must be a multiple of "
+                f"model.vision.patch_size={self.patch_size}"
+            )
 
     @property
     def patches_per_image(self) -> int:
@@ -71,7 +72,7 @@ class VisionEncoderConf:
 class ProjectorConf:
     kind: str = "mlp"
     """``mlp`` (two layers with GELU, LLaVA-1.5) or ``affine``."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """Hidden width of the MLP projector; None means the decoder's hidden size."""
 
     def __post_init__(self) -> None:
@@ -87,14 +88,14 @@ class DecoderConf:
     hidden_size: int = 64
     num_attention_heads: int = 4
     num_query_groups: int = 2
-    kv_channels: Optional[int] = None
+    kv_channels: int | None = None
     """Head dimension; None means hidden_size / num_attention_heads."""
     ffn_hidden_size: int = 128
     """Dense FFN width, used by layers that are not MoE."""
     num_experts: int = 4
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 64
-    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int = 1
     """Every n-th layer is MoE (1: all layers)."""
     moe_aux_loss_coeff: float = 1e-2
@@ -103,20 +104,37 @@ class DecoderConf:
     normalization: str = "RMSNorm"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "vocab_size",
-                     "kv_channels", "moe_shared_expert_intermediate_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "num_experts",
+            "moe_router_topk",
+            "moe_ffn_hidden_size",
+            "moe_layer_freq",
+            "vocab_size",
+            "kv_channels",
+            "moe_shared_expert_intermediate_size",
+        ):
             _positive(f"model.decoder.{name}", getattr(self, name))
         _choice("model.decoder.normalization", self.normalization, ("RMSNorm", "LayerNorm"))
         if self.moe_router_topk > self.num_experts:
-            raise ConfigFieldError(f"model.decoder.moe_router_topk={self.moe_router_topk} must be <= "
-                                   f"model.decoder.num_experts={self.num_experts}")
+            raise ConfigFieldError(
+                f"model.decoder.moe_router_topk={self.moe_router_topk} must be <= "
+                f"model.decoder.num_experts={self.num_experts}"
+            )
         if self.num_attention_heads % self.num_query_groups:
-            raise ConfigFieldError(f"model.decoder.num_query_groups={self.num_query_groups} must divide "
-                                   f"model.decoder.num_attention_heads={self.num_attention_heads}")
+            raise ConfigFieldError(
+                f"model.decoder.num_query_groups={self.num_query_groups} must divide "
+                f"model.decoder.num_attention_heads={self.num_attention_heads}"
+            )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ConfigFieldError(f"model.decoder.num_attention_heads={self.num_attention_heads} must divide "
-                                   f"model.decoder.hidden_size={self.hidden_size} (or set model.decoder.kv_channels)")
+            raise ConfigFieldError(
+                f"model.decoder.num_attention_heads={self.num_attention_heads} must divide "
+                f"model.decoder.hidden_size={self.hidden_size} (or set model.decoder.kv_channels)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -176,8 +194,9 @@ class ParallelConf:
 
     def __post_init__(self) -> None:
         _choice("parallel.strategy", self.strategy, ("fsdp", "3d"))
-        _choice("parallel.fsdp_sharding", self.fsdp_sharding,
-                ("no_shard", "optim", "optim_grads", "optim_grads_params"))
+        _choice(
+            "parallel.fsdp_sharding", self.fsdp_sharding, ("no_shard", "optim", "optim_grads", "optim_grads_params")
+        )
         for name in ("tp", "pp", "vpp", "cp", "ep", "etp"):
             _positive(f"parallel.{name}", getattr(self, name))
 
@@ -200,9 +219,9 @@ class RecomputeConf:
     granularity: str = "none"
     modules: list[str] = field(default_factory=list)
     """Selective recompute only; megatron-core's names."""
-    method: Optional[str] = None
+    method: str | None = None
     """Full recompute only: ``uniform`` or ``block``."""
-    num_layers: Optional[int] = None
+    num_layers: int | None = None
     """Full recompute only: layers per chunk (uniform) or recomputed layers per stage (block)."""
 
     def __post_init__(self) -> None:
@@ -238,9 +257,9 @@ class DispatcherConf:
     name: str = "alltoall"
     token_dispatcher: str = "alltoall"
     """megatron-core ``moe_token_dispatcher_type``: allgather | alltoall | flex."""
-    flex_backend: Optional[str] = None
+    flex_backend: str | None = None
     """``deepep`` or ``hybridep`` with the flex dispatcher."""
-    capacity_factor: Optional[float] = None
+    capacity_factor: float | None = None
     pad_to_capacity: bool = False
 
     def __post_init__(self) -> None:
@@ -282,20 +301,35 @@ class FusionsConf:
     whose effect is measured in ``benchmarks/results/``."""
 
     name: str = "auto"
-    bias_dropout: Optional[bool] = None
-    rope: Optional[bool] = None
-    masked_softmax: Optional[bool] = None
-    moe_permute: Optional[bool] = None
-    cross_entropy: Optional[bool] = None
-    gradient_accumulation: Optional[bool] = None
-    bias_activation: Optional[bool] = None
-    moe_router: Optional[bool] = None
-    linear_cross_entropy: Optional[bool] = None
+    bias_dropout: bool | None = None
+    rope: bool | None = None
+    masked_softmax: bool | None = None
+    moe_permute: bool | None = None
+    cross_entropy: bool | None = None
+    gradient_accumulation: bool | None = None
+    bias_activation: bool | None = None
+    moe_router: bool | None = None
+    linear_cross_entropy: bool | None = None
 
-    FIELDS = ("bias_dropout", "rope", "masked_softmax", "moe_permute", "cross_entropy", "gradient_accumulation",
-              "bias_activation", "moe_router", "linear_cross_entropy")
-    OFF_UNLESS_SET = ("bias_dropout", "cross_entropy", "gradient_accumulation", "bias_activation", "moe_router",
-                      "linear_cross_entropy")
+    FIELDS = (
+        "bias_dropout",
+        "rope",
+        "masked_softmax",
+        "moe_permute",
+        "cross_entropy",
+        "gradient_accumulation",
+        "bias_activation",
+        "moe_router",
+        "linear_cross_entropy",
+    )
+    OFF_UNLESS_SET = (
+        "bias_dropout",
+        "cross_entropy",
+        "gradient_accumulation",
+        "bias_activation",
+        "moe_router",
+        "linear_cross_entropy",
+    )
     GPU_ONLY = tuple(name for name in FIELDS if name != "linear_cross_entropy")  # plain torch: runs on the CPU
 
     def resolved(self, *, on_gpu: bool) -> dict[str, bool]:
@@ -320,7 +354,7 @@ class DataConf:
     (TE's THD format; megatron's local attention, a block-causal mask over the row): the same samples, so realism
     is unchanged, and the decoder computes on real tokens only."""
     seed: int = 0
-    shards: Optional[str] = None
+    shards: str | None = None
     """``data.name=webdataset`` only: the ``.tar`` shards, as a brace pattern (``/d/cc3m-{000000..000099}.tar``),
     a glob or one path; each holds ``<key>.jpg|png`` + ``<key>.txt`` caption records (img2dataset's layout).
     Checked when the worker opens them (they live on the training machine, not where the config is composed)."""
@@ -358,7 +392,7 @@ def shortest_decoder_sample(model: ModelConf, data: DataConf) -> int:
 class HardwareConf:
     name: str = "cpu"
     device: str = "cpu"
-    peak_bf16_tflops: Optional[float] = None
+    peak_bf16_tflops: float | None = None
     """Dense bf16 peak per GPU (datasheet); None on the CPU, where a matmul peak is measured at start."""
     memory_gib: float = 16.0
     gpus_per_node: int = 4
@@ -393,7 +427,7 @@ class LauncherConf:
 class TrackingConf:
     name: str = "none"
     backend: str = "none"
-    tracking_uri: Optional[str] = None
+    tracking_uri: str | None = None
     """None: SQLite under the outputs folder."""
     experiment: str = "moe-vlm-sweep"
 
@@ -491,4 +525,3 @@ def from_dict(cls: type, data: dict[str, Any]) -> Any:
 
 def to_dict(conf: Any) -> dict[str, Any]:
     return dataclasses.asdict(conf)
-

@@ -11,19 +11,21 @@ from moe_vlm_sweep.data.synthetic import SyntheticImages
 __all__ = ["IMAGE_TOKEN_INDEX", "BatchSource", "MicroBatch", "MockText", "SyntheticImages", "make_source"]
 
 
-def make_source(model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
-                dp_size: int = 1) -> BatchSource:
+def make_source(
+    model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1
+) -> BatchSource:
     """The source ``data.name`` selects, packed under ``data.packing``; refuses a ``data.realism`` that is not
     the source's own."""
     if data.name == "webdataset":  # imported here: only this source needs the webdataset package
         from moe_vlm_sweep.data.webdataset_shards import WebDatasetShards
 
-        source = WebDatasetShards(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-                                  dp_size=dp_size)
+        source = WebDatasetShards(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     else:
         cls = {"synthetic_images": SyntheticImages, "mock_text": MockText}[data.name]
         source = cls(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     if data.realism != source.realism:
-        raise ConfigFieldError(f"data.realism={data.realism!r} must be {source.realism!r} for "
-                               f"data.name={data.name!r}: a run's realism is its source's, never relabelled")
+        raise ConfigFieldError(
+            f"data.realism={data.realism!r} must be {source.realism!r} for "
+            f"data.name={data.name!r}: a run's realism is its source's, never relabelled"
+        )
     return Packed(source) if data.packing else source

@@ -9,8 +9,9 @@ block-causal mask for megatron's local attention).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -42,7 +43,7 @@ class MicroBatch:
     """[mbs]; real (non-padding) text ids per sample, image placeholders included."""
     image_tokens: int
     """Decoder tokens one image becomes."""
-    cu_seqlens: Optional[torch.Tensor] = None
+    cu_seqlens: torch.Tensor | None = None
     """Packed micro-batches only: [mbs + 1] int32 offsets of each sample in the decoder row (images expanded)."""
 
     @property
@@ -53,8 +54,9 @@ class MicroBatch:
         """[1, 1, T, T] bool, True where a packed row's query may not see the key: another sample's, or a later
         one. What megatron's local attention (no THD) needs to keep samples apart; RoPE is relative, so scores
         within a sample do not depend on where the sample starts."""
-        sample = torch.repeat_interleave(torch.arange(len(self.cu_seqlens) - 1, device=self.cu_seqlens.device),
-                                         torch.diff(self.cu_seqlens))
+        sample = torch.repeat_interleave(
+            torch.arange(len(self.cu_seqlens) - 1, device=self.cu_seqlens.device), torch.diff(self.cu_seqlens)
+        )
         position = torch.arange(len(sample), device=sample.device)
         visible = (sample[:, None] == sample[None, :]) & (position[None, :] <= position[:, None])
         return ~visible[None, None]
@@ -84,13 +86,16 @@ class MicroBatch:
     def loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def to(self, device: torch.device | str, image_dtype: torch.dtype = torch.float32) -> "MicroBatch":
+    def to(self, device: torch.device | str, image_dtype: torch.dtype = torch.float32) -> MicroBatch:
         """On ``device``, pixels in the model's dtype (Float16Module casts positional inputs only)."""
-        moved = {name: getattr(self, name).to(device) for name in
-                 ("input_ids", "labels", "loss_mask", "position_ids")}
-        return MicroBatch(images=self.images.to(device, image_dtype), **moved, text_lengths=self.text_lengths,
-                          image_tokens=self.image_tokens,
-                          cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.to(device))
+        moved = {name: getattr(self, name).to(device) for name in ("input_ids", "labels", "loss_mask", "position_ids")}
+        return MicroBatch(
+            images=self.images.to(device, image_dtype),
+            **moved,
+            text_lengths=self.text_lengths,
+            image_tokens=self.image_tokens,
+            cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.to(device),
+        )
 
 
 class BatchSource(Protocol):
@@ -101,8 +106,9 @@ class BatchSource(Protocol):
     def step(self, step: int, num_microbatches: int) -> list[MicroBatch]: ...
 
 
-def layout(images: torch.Tensor, texts: Sequence[torch.Tensor], *, images_per_sample: int, row_length: int,
-           image_tokens: int) -> MicroBatch:
+def layout(
+    images: torch.Tensor, texts: Sequence[torch.Tensor], *, images_per_sample: int, row_length: int, image_tokens: int
+) -> MicroBatch:
     """Place each sample's text ids after its image placeholders, pad to ``row_length``, shift the labels.
 
     The loss covers labels that are real text: from the first text position (LLaVA masks image positions
@@ -111,17 +117,26 @@ def layout(images: torch.Tensor, texts: Sequence[torch.Tensor], *, images_per_sa
     mbs = len(texts)
     lengths = torch.tensor([images_per_sample + len(t) for t in texts])
     if (lengths > row_length).any() or (lengths < images_per_sample + MIN_TEXT_IDS).any():
-        raise ValueError(f"each sample needs {MIN_TEXT_IDS} to {row_length - images_per_sample} text ids after "
-                         f"{images_per_sample} image placeholders, got {[len(t) for t in texts]}")
+        raise ValueError(
+            f"each sample needs {MIN_TEXT_IDS} to {row_length - images_per_sample} text ids after "
+            f"{images_per_sample} image placeholders, got {[len(t) for t in texts]}"
+        )
     ids = torch.full((mbs, row_length), PAD_TOKEN_ID, dtype=torch.long)
     ids[:, :images_per_sample] = IMAGE_TOKEN_INDEX
     for row, text in zip(ids, texts):
-        row[images_per_sample:images_per_sample + len(text)] = text
+        row[images_per_sample : images_per_sample + len(text)] = text
     positions = torch.arange(row_length).expand(mbs, row_length)
     labels = torch.cat([ids[:, 1:], torch.full((mbs, 1), PAD_TOKEN_ID)], dim=1)
     loss_mask = (positions >= images_per_sample) & (positions + 1 < lengths[:, None])
-    return MicroBatch(images=images, input_ids=ids, labels=labels, loss_mask=loss_mask.float(),
-                      position_ids=positions.clone(), text_lengths=lengths, image_tokens=image_tokens)
+    return MicroBatch(
+        images=images,
+        input_ids=ids,
+        labels=labels,
+        loss_mask=loss_mask.float(),
+        position_ids=positions.clone(),
+        text_lengths=lengths,
+        image_tokens=image_tokens,
+    )
 
 
 def pack(mb: MicroBatch) -> MicroBatch:
@@ -141,9 +156,16 @@ def pack(mb: MicroBatch) -> MicroBatch:
 
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(mb.decoder_lengths, 0)
-    return MicroBatch(images=mb.images, input_ids=joined(mb.input_ids), labels=joined(mb.labels),
-                      loss_mask=joined(mb.loss_mask), position_ids=joined(mb.position_ids),
-                      text_lengths=mb.text_lengths, image_tokens=mb.image_tokens, cu_seqlens=cu_seqlens)
+    return MicroBatch(
+        images=mb.images,
+        input_ids=joined(mb.input_ids),
+        labels=joined(mb.labels),
+        loss_mask=joined(mb.loss_mask),
+        position_ids=joined(mb.position_ids),
+        text_lengths=mb.text_lengths,
+        image_tokens=mb.image_tokens,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 class Packed:

@@ -15,8 +15,14 @@ from moe_vlm_sweep.data.synthetic import SyntheticRows
 class MockText(SyntheticRows):
     realism = "mock_text"
 
-    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1):
+    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
         images, row = row_layout(model, data)
-        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                         images_per_sample=images, row_length=row)
+        super().__init__(
+            model,
+            data,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            images_per_sample=images,
+            row_length=row,
+        )

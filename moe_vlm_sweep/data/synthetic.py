@@ -22,11 +22,22 @@ class SyntheticRows:
     """Deterministic random rows of ``row_length`` ids after ``images_per_sample`` random images; the shared
     part of ``synthetic_images`` and ``mock_text``. ``fixed_batch`` makes every step see step 0's batch."""
 
-    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, images_per_sample: int, row_length: int):
+    def __init__(
+        self,
+        model: ModelConf,
+        data: DataConf,
+        *,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        images_per_sample: int,
+        row_length: int,
+    ):
         if row_length < images_per_sample + MIN_TEXT_IDS:
-            raise ValueError(f"model.text_tokens={row_length} must leave room for model.images_per_sample="
-                             f"{images_per_sample} placeholders and {MIN_TEXT_IDS} caption ids")
+            raise ValueError(
+                f"model.text_tokens={row_length} must leave room for model.images_per_sample="
+                f"{images_per_sample} placeholders and {MIN_TEXT_IDS} caption ids"
+            )
         self.model, self.data = model, data
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.images_per_sample, self.row_length = images_per_sample, row_length
@@ -49,9 +60,14 @@ class SyntheticRows:
             fraction = float(torch.empty(1).uniform_(self.data.min_text_fraction, 1.0, generator=gen))
             filled = min(max(round(fraction * self.row_length), n_img + MIN_TEXT_IDS), self.row_length)
             ids = torch.randint(FIRST_TEXT_ID, self.model.decoder.vocab_size, (room,), generator=gen)
-            texts.append(ids[:filled - n_img])
-        return layout(torch.cat(images), texts, images_per_sample=n_img, row_length=self.row_length,
-                      image_tokens=self.model.image_tokens)
+            texts.append(ids[: filled - n_img])
+        return layout(
+            torch.cat(images),
+            texts,
+            images_per_sample=n_img,
+            row_length=self.row_length,
+            image_tokens=self.model.image_tokens,
+        )
 
     def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:
         return [self.microbatch(step, i) for i in range(num_microbatches)]
@@ -62,8 +78,14 @@ class SyntheticImages(SyntheticRows):
 
     realism = "synthetic_images"
 
-    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1):
+    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
         images, row = row_layout(model, data)
-        super().__init__(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                         images_per_sample=images, row_length=row)
+        super().__init__(
+            model,
+            data,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            images_per_sample=images,
+            row_length=row,
+        )

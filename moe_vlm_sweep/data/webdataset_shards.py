@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import glob
 import itertools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -30,13 +30,17 @@ IMAGE_KEYS = "jpg;jpeg;png"
 def shard_urls(pattern: str | None) -> list[str]:
     """``data.shards``: a brace pattern (``/d/{000..009}.tar``), a glob, or one path; every file must exist."""
     if not pattern:
-        raise ConfigFieldError("data.shards must name the .tar shards when data.name='webdataset' "
-                               "(e.g. data.shards='/data/cc3m/{000000..000099}.tar')")
+        raise ConfigFieldError(
+            "data.shards must name the .tar shards when data.name='webdataset' "
+            "(e.g. data.shards='/data/cc3m/{000000..000099}.tar')"
+        )
     urls = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else wds.shardlists.expand_urls(pattern)
     missing = [u for u in urls if not Path(u).is_file()]
     if not urls or missing:
-        raise ConfigFieldError(f"data.shards={pattern!r} must name existing .tar shards; "
-                               f"{'missing: ' + ', '.join(missing[:3]) if missing else 'it matches no file'}")
+        raise ConfigFieldError(
+            f"data.shards={pattern!r} must name existing .tar shards; "
+            f"{'missing: ' + ', '.join(missing[:3]) if missing else 'it matches no file'}"
+        )
     return urls
 
 
@@ -56,11 +60,12 @@ class WebDatasetShards:
 
     realism = "real_images"
 
-    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1):
+    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
         if model.images_per_sample < 1:
-            raise ConfigFieldError(f"data.name='webdataset' needs model.images_per_sample >= 1, got "
-                                   f"{model.images_per_sample} (use data=mock_text for text only)")
+            raise ConfigFieldError(
+                f"data.name='webdataset' needs model.images_per_sample >= 1, got "
+                f"{model.images_per_sample} (use data=mock_text for text only)"
+            )
         self.model, self.data, self.mbs = model, data, micro_batch_size
         self.urls = shard_urls(data.shards)
         self.records = itertools.islice(self._endless(), dp_rank, None, dp_size)
@@ -69,16 +74,18 @@ class WebDatasetShards:
     def _endless(self) -> Iterator[tuple[Image.Image, str]]:
         # nodesplitter=None: ranks are split by data-parallel rank below, not by torch.distributed rank (the
         # tensor- and pipeline-parallel peers of a replica must read the same records).
-        dataset = (wds.WebDataset(self.urls, shardshuffle=False, nodesplitter=None)
-                   .decode("pil").to_tuple(IMAGE_KEYS, "txt"))
+        dataset = (
+            wds.WebDataset(self.urls, shardshuffle=False, nodesplitter=None).decode("pil").to_tuple(IMAGE_KEYS, "txt")
+        )
         while True:
             count = 0
             for record in dataset:
                 count += 1
                 yield record
             if count == 0:
-                raise ValueError(f"data.shards={self.data.shards!r} holds no record with an image "
-                                 f"({IMAGE_KEYS}) and a .txt caption")
+                raise ValueError(
+                    f"data.shards={self.data.shards!r} holds no record with an image ({IMAGE_KEYS}) and a .txt caption"
+                )
 
     def microbatch(self) -> MicroBatch:
         m = self.model
@@ -90,8 +97,7 @@ class WebDatasetShards:
             images += [to_pixels(image, m.vision.image_size) for image, _ in records]
             caption = " ".join(text.strip() for _, text in records)
             texts.append(caption_ids(caption, m.decoder.vocab_size)[:room])
-        return layout(torch.stack(images), texts, images_per_sample=n_img, row_length=row,
-                      image_tokens=m.image_tokens)
+        return layout(torch.stack(images), texts, images_per_sample=n_img, row_length=row, image_tokens=m.image_tokens)
 
     def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:
         if self.data.fixed_batch and self.fixed is not None:

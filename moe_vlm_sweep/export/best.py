@@ -12,9 +12,10 @@ recipes (``export/recipes.py``): one recipe is ranked, the baseline's unless ano
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import optuna
 import yaml
@@ -42,7 +43,7 @@ class Exported:
         return f"moe-vlm-sweep run +experiment={self.experiment}"
 
 
-def realism_of(trials: Sequence[FrozenTrial]) -> Optional[str]:
+def realism_of(trials: Sequence[FrozenTrial]) -> str | None:
     """The one data realism of ``trials``; raises ExportError if they mix several."""
     counts: dict[str, int] = {}
     for trial in trials:
@@ -50,16 +51,19 @@ def realism_of(trials: Sequence[FrozenTrial]) -> Optional[str]:
         counts[realism] = counts.get(realism, 0) + 1
     if len(counts) > 1:
         listed = ", ".join(f"{n} trial(s) {r}" for r, n in sorted(counts.items()))
-        raise ExportError(f"the study mixes data realism ({listed}); results of different realism are not "
-                          "comparable: rank one realism per study (set data= in sweep.fixed)")
+        raise ExportError(
+            f"the study mixes data realism ({listed}); results of different realism are not "
+            "comparable: rank one realism per study (set data= in sweep.fixed)"
+        )
     return next(iter(counts), None)
 
 
-def ranked(study: optuna.Study, recipe: Optional[str] = None) -> list[FrozenTrial]:
+def ranked(study: optuna.Study, recipe: str | None = None) -> list[FrozenTrial]:
     """Completed trials of one recipe (``recipe``, else the baseline's: ``export/recipes.py``) best first; with
     two objectives, their Pareto front ordered by the first objective."""
-    complete = recipes.keep(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)),
-                            recipes.chosen(study, recipe))
+    complete = recipes.keep(
+        study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), recipes.chosen(study, recipe)
+    )
     if len(study.directions) > 1:
         complete = recipes.pareto(complete, study) if complete else []
     sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
@@ -87,8 +91,15 @@ def experiment_yaml(overrides: Sequence[str], conf_dir: Path = CONF_DIR, *, head
     return f"# @package _global_\n{header}{body}"
 
 
-def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
-           confirmed: Optional[FrozenTrial] = None, recipe: Optional[str] = None) -> list[Exported]:
+def export(
+    study: optuna.Study,
+    *,
+    sweep_dir: Path,
+    conf_dir: Path,
+    top_k: int,
+    confirmed: FrozenTrial | None = None,
+    recipe: str | None = None,
+) -> list[Exported]:
     """Write the top ``top_k`` trials (experiment configs, override files, commands); return them.
 
     ``conf_dir``: the config root the experiments go into (``config.compose.exports_dir`` of the outputs
@@ -111,8 +122,10 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
         name = f"{study.study_name}_best" if rank == 1 else f"{study.study_name}_t{trial.number}"
         overrides = list(trial.user_attrs.get("overrides", []))
         held = " after confirmation re-runs, see best/confirm.json" if trial is confirmed else ""
-        header = (f"# Trial #{trial.number} of study {study.study_name} (rank {rank}{held}, values {trial.values}, "
-                  f"data realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n")
+        header = (
+            f"# Trial #{trial.number} of study {study.study_name} (rank {rank}{held}, values {trial.values}, "
+            f"data realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n"
+        )
         write_atomic(conf_dir / "experiment" / f"{name}.yaml", experiment_yaml(overrides, header=header))
         exported.append(Exported(rank=rank, trial=trial, experiment=name, overrides=overrides))
     kept = {f"{e.experiment}.yaml" for e in exported}
@@ -122,17 +135,31 @@ def export(study: optuna.Study, *, sweep_dir: Path, conf_dir: Path, top_k: int,
     if exported:
         best = exported[0]
         write_atomic(out / "overrides.yaml", "".join(f"- {shlex.quote(o)}\n" for o in best.overrides) or "[]\n")
-        write_atomic(out / "command.sh", f"#!/bin/sh\n# Best trial #{best.trial.number} of {study.study_name}.\n"
-                                         f"{best.command}\n# equivalently:\n# {rerun_command(best.overrides)}\n")
-        summary = [{"rank": e.rank, "trial": e.trial.number, "values": list(e.trial.values),
-                    "data_realism": realism, "recipe": e.trial.user_attrs.get("recipe"), "experiment": e.experiment,
-                    "command": e.command, "overrides": e.overrides, "run_dir": e.trial.user_attrs.get("run_dir"),
-                    "confirmed": e.trial is confirmed} for e in exported]
+        write_atomic(
+            out / "command.sh",
+            f"#!/bin/sh\n# Best trial #{best.trial.number} of {study.study_name}.\n"
+            f"{best.command}\n# equivalently:\n# {rerun_command(best.overrides)}\n",
+        )
+        summary = [
+            {
+                "rank": e.rank,
+                "trial": e.trial.number,
+                "values": list(e.trial.values),
+                "data_realism": realism,
+                "recipe": e.trial.user_attrs.get("recipe"),
+                "experiment": e.experiment,
+                "command": e.command,
+                "overrides": e.overrides,
+                "run_dir": e.trial.user_attrs.get("run_dir"),
+                "confirmed": e.trial is confirmed,
+            }
+            for e in exported
+        ]
         write_atomic(out / "top.yaml", yaml.safe_dump(summary, sort_keys=False))
     return exported
 
 
-def confirmed_export(sweep_dir: Path) -> Optional[int]:
+def confirmed_export(sweep_dir: Path) -> int | None:
     """The trial an earlier export wrote as ``<study>_best`` after it held in confirmation re-runs, if any: an
     unconfirmed export must not replace it (``best/top.yaml``)."""
     try:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import optuna
 
@@ -32,8 +32,10 @@ def _find_study(outputs: Path, name: str | None, storage: str | None) -> tuple[s
         db = outputs / "sweeps" / name / "optuna.db"
         if not db.is_file():
             found = ", ".join(p.parent.name for p in sorted((outputs / "sweeps").glob("*/optuna.db"))) or "none"
-            raise ExportError(f"no study {name!r} under {outputs / 'sweeps'} (studies there: {found}); name one of "
-                              "them, or give --storage URL for a study kept elsewhere")
+            raise ExportError(
+                f"no study {name!r} under {outputs / 'sweeps'} (studies there: {found}); name one of "
+                "them, or give --storage URL for a study kept elsewhere"
+            )
         storage = f"sqlite:///{db.resolve()}"
     if storage is not None:
         if name is None:
@@ -45,8 +47,9 @@ def _find_study(outputs: Path, name: str | None, storage: str | None) -> tuple[s
     dbs = sorted((outputs / "sweeps").glob("*/optuna.db"))
     if len(dbs) != 1:
         found = ", ".join(p.parent.name for p in dbs) or "none"
-        raise ExportError(f"{len(dbs)} studies under {outputs / 'sweeps'} ({found}); say which: "
-                          "moe-vlm-sweep best STUDY")
+        raise ExportError(
+            f"{len(dbs)} studies under {outputs / 'sweeps'} ({found}); say which: moe-vlm-sweep best STUDY"
+        )
     return dbs[0].parent.name, f"sqlite:///{dbs[0].resolve()}"
 
 
@@ -56,18 +59,33 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--storage", help="Optuna storage URL (default: OUTPUTS/sweeps/STUDY/optuna.db)")
     parser.add_argument("--outputs", default="outputs", help="outputs folder (default: outputs)")
     parser.add_argument("--top", type=int, default=3, help="how many trials to export (default: 3)")
-    parser.add_argument("--confirm", type=int, default=0, metavar="N",
-                        help="re-run each of the --top trials N times first and export the one whose median "
-                             "holds (default: 0, no re-runs)")
-    parser.add_argument("--time-budget-s", type=float, metavar="S",
-                        help="with --confirm: start no re-run that would end after S seconds; exit 3 if any is "
-                             "left (the same command resumes; default: no limit)")
-    parser.add_argument("--recipe", metavar="FINGERPRINT",
-                        help="rank the trials of this recipe (default: the baseline's, the study's first trial)")
+    parser.add_argument(
+        "--confirm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="re-run each of the --top trials N times first and export the one whose median "
+        "holds (default: 0, no re-runs)",
+    )
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        metavar="S",
+        help="with --confirm: start no re-run that would end after S seconds; exit 3 if any is "
+        "left (the same command resumes; default: no limit)",
+    )
+    parser.add_argument(
+        "--recipe",
+        metavar="FINGERPRINT",
+        help="rank the trials of this recipe (default: the baseline's, the study's first trial)",
+    )
     args = parser.parse_args(list(argv))
     if args.time_budget_s is not None and (not args.confirm or args.time_budget_s <= 0):
-        print(f"error: --time-budget-s={args.time_budget_s:g} bounds --confirm re-runs: it needs --confirm N "
-              "and a positive number of seconds", file=sys.stderr)
+        print(
+            f"error: --time-budget-s={args.time_budget_s:g} bounds --confirm re-runs: it needs --confirm N "
+            "and a positive number of seconds",
+            file=sys.stderr,
+        )
         return 2
     outputs = Path(args.outputs)
     try:
@@ -76,12 +94,20 @@ def main(argv: Sequence[str]) -> int:
         sweep_dir = outputs / "sweeps" / name
         held = None
         if args.confirm:
-            print(f"confirm: re-running the top {args.top} trial(s) {args.confirm} time(s) each under "
-                  f"{sweep_dir / 'confirm'}", flush=True)
-            confirmation = confirm(study, sweep_dir=sweep_dir, top_k=args.top, repeats=args.confirm,
-                                   progress=lambda line: print(line, flush=True),
-                                   budget=TimeBudget(args.time_budget_s, knob="--time-budget-s"),
-                                   recipe=args.recipe)
+            print(
+                f"confirm: re-running the top {args.top} trial(s) {args.confirm} time(s) each under "
+                f"{sweep_dir / 'confirm'}",
+                flush=True,
+            )
+            confirmation = confirm(
+                study,
+                sweep_dir=sweep_dir,
+                top_k=args.top,
+                repeats=args.confirm,
+                progress=lambda line: print(line, flush=True),
+                budget=TimeBudget(args.time_budget_s, knob="--time-budget-s"),
+                recipe=args.recipe,
+            )
             if not confirmation.complete:
                 print(f"confirmation: stopped: {confirmation.stopped}", flush=True)
                 return 3
@@ -91,13 +117,20 @@ def main(argv: Sequence[str]) -> int:
             if confirmation.candidates and held is None:
                 print("error: no candidate held: each had a failed re-run; nothing exported", file=sys.stderr)
                 return 1
-        exported = export(study, sweep_dir=sweep_dir, conf_dir=exports_dir(outputs), top_k=args.top,
-                          confirmed=held.trial if held else None, recipe=args.recipe)
+        exported = export(
+            study,
+            sweep_dir=sweep_dir,
+            conf_dir=exports_dir(outputs),
+            top_k=args.top,
+            confirmed=held.trial if held else None,
+            recipe=args.recipe,
+        )
         realism = realism_of([e.trial for e in exported])
         mixed = recipes.note(study, recipes.chosen(study, args.recipe), explicit=args.recipe is not None)
     except KeyError:
-        print(f"error: no study {name!r} in {storage}; list them with optuna studies --storage {storage}",
-              file=sys.stderr)
+        print(
+            f"error: no study {name!r} in {storage}; list them with optuna studies --storage {storage}", file=sys.stderr
+        )
         return 2
     except (ExportError, SweepSpecError, StorageError, recipes.RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -109,7 +142,9 @@ def main(argv: Sequence[str]) -> int:
     print(table([e.trial for e in exported], metrics, realism=realism))
     if mixed:
         print(mixed)
-    how = (f", confirmed: median {held.median_values[0]:.4g} over {args.confirm} re-run(s)" if held else "")
-    print(f"\nbest: trial #{exported[0].trial.number} (data realism {realism}{how})\n  {exported[0].command}\n"
-          f"  files: {sweep_dir / 'best'}, {exports_dir(outputs) / 'experiment' / exported[0].experiment}.yaml")
+    how = f", confirmed: median {held.median_values[0]:.4g} over {args.confirm} re-run(s)" if held else ""
+    print(
+        f"\nbest: trial #{exported[0].trial.number} (data realism {realism}{how})\n  {exported[0].command}\n"
+        f"  files: {sweep_dir / 'best'}, {exports_dir(outputs) / 'experiment' / exported[0].experiment}.yaml"
+    )
     return 0

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import optuna
 from omegaconf import OmegaConf
@@ -49,10 +50,10 @@ class Repeat:
     status: str
     """``ok`` or the failure class of the run (invalid | oom | crash | timeout | nan | realism)."""
     reason: str = ""
-    run_dir: Optional[str] = None
-    values: Optional[list[float]] = None
-    step_time_median_s: Optional[float] = None
-    step_time_cv: Optional[float] = None
+    run_dir: str | None = None
+    values: list[float] | None = None
+    step_time_median_s: float | None = None
+    step_time_cv: float | None = None
     """The run's own CV over its measured steps (metrics.json ``step_time_s.cv``)."""
 
     @property
@@ -76,14 +77,14 @@ class Candidate:
         return bool(self.repeats) and all(r.ok for r in self.repeats)
 
     @property
-    def median_values(self) -> Optional[list[float]]:
+    def median_values(self) -> list[float] | None:
         """Per objective, the median over the repeats; None unless every repeat succeeded."""
         if not self.ok:
             return None
         return [statistics.median(vs) for vs in zip(*(r.values for r in self.repeats))]
 
     @property
-    def step_time_cv(self) -> Optional[float]:
+    def step_time_cv(self) -> float | None:
         """pstdev / mean of the successful repeats' median step times; None with fewer than two."""
         times = [r.step_time_median_s for r in self.repeats if r.ok]
         return statistics.pstdev(times) / statistics.fmean(times) if len(times) >= 2 else None
@@ -98,7 +99,7 @@ class Confirmation:
     study_name: str
     objective_metrics: list[str]
     directions: list[str]
-    data_realism: Optional[str]
+    data_realism: str | None
     repeats: int
     candidates: list[Candidate]
     stopped: str = ""
@@ -109,7 +110,7 @@ class Confirmation:
         return not self.stopped
 
     @property
-    def winner(self) -> Optional[Candidate]:
+    def winner(self) -> Candidate | None:
         """Best median of the first objective among candidates whose every repeat succeeded; ties keep the
         study's order. None until the confirmation is complete."""
         held = [c for c in self.candidates if c.ok] if self.complete else []
@@ -121,16 +122,28 @@ class Confirmation:
     def to_dict(self) -> dict[str, Any]:
         winner = self.winner
         return {
-            "study": self.study_name, "objective_metrics": self.objective_metrics, "directions": self.directions,
-            "data_realism": self.data_realism, "repeats": self.repeats, "cv_target": CV_TARGET,
+            "study": self.study_name,
+            "objective_metrics": self.objective_metrics,
+            "directions": self.directions,
+            "data_realism": self.data_realism,
+            "repeats": self.repeats,
+            "cv_target": CV_TARGET,
             "winner": winner.trial.number if winner else None,
-            "candidates": [{
-                "rank": c.rank, "trial": c.trial.number, "overrides": c.overrides,
-                "original_values": list(c.trial.values), "ok": c.ok, "holds": c is winner,
-                "median_values": c.median_values, "step_time_cv_across_repeats": c.step_time_cv,
-                "meets_cv_target": c.meets_cv_target,
-                "repeats": [asdict(r) for r in c.repeats],
-            } for c in self.candidates],
+            "candidates": [
+                {
+                    "rank": c.rank,
+                    "trial": c.trial.number,
+                    "overrides": c.overrides,
+                    "original_values": list(c.trial.values),
+                    "ok": c.ok,
+                    "holds": c is winner,
+                    "median_values": c.median_values,
+                    "step_time_cv_across_repeats": c.step_time_cv,
+                    "meets_cv_target": c.meets_cv_target,
+                    "repeats": [asdict(r) for r in c.repeats],
+                }
+                for c in self.candidates
+            ],
         }
 
 
@@ -138,27 +151,39 @@ def objective_of(study: optuna.Study) -> ObjectiveConf:
     """The sweep objective the study was created with (its ``objective_metrics`` and directions)."""
     metrics = study.user_attrs.get("objective_metrics")
     if not metrics:
-        raise ExportError(f"study {study.study_name} has no objective_metrics (not made by a moe-vlm-sweep "
-                          "sweep): cannot tell which metric to confirm")
+        raise ExportError(
+            f"study {study.study_name} has no objective_metrics (not made by a moe-vlm-sweep "
+            "sweep): cannot tell which metric to confirm"
+        )
     directions = [d.name.lower() for d in study.directions]
     objective = ObjectiveConf(metric=metrics[0], direction=directions[0], peak_memory=len(metrics) > 1)
     if objective.metrics != list(metrics) or objective.directions != directions:
-        raise ExportError(f"study {study.study_name}: objectives {metrics} ({directions}) are not a sweep "
-                          "objective this version can re-measure")
+        raise ExportError(
+            f"study {study.study_name}: objectives {metrics} ({directions}) are not a sweep "
+            "objective this version can re-measure"
+        )
     return objective
 
 
-def _repeat(result: RunResult, objective: ObjectiveConf, realism: Optional[str]) -> Repeat:
+def _repeat(result: RunResult, objective: ObjectiveConf, realism: str | None) -> Repeat:
     outcome = outcome_of_result(result, objective)
     if not outcome.ok:
         return Repeat(status=outcome.failure_class, reason=outcome.reason, run_dir=result.run_dir)
     measured = result.metrics.get("data_realism")
     if realism is not None and measured != realism:
-        return Repeat(status="realism", run_dir=result.run_dir,
-                      reason=f"measured data_realism {measured} differs from the study's {realism}")
+        return Repeat(
+            status="realism",
+            run_dir=result.run_dir,
+            reason=f"measured data_realism {measured} differs from the study's {realism}",
+        )
     step_time = result.metrics["step_time_s"]
-    return Repeat(status="ok", run_dir=result.run_dir, values=outcome.values,
-                  step_time_median_s=step_time["median"], step_time_cv=step_time["cv"])
+    return Repeat(
+        status="ok",
+        run_dir=result.run_dir,
+        values=outcome.values,
+        step_time_median_s=step_time["median"],
+        step_time_cv=step_time["cv"],
+    )
 
 
 def _plan(overrides: list[str]) -> tuple[RunPlan, str]:
@@ -173,11 +198,12 @@ def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat, reused
     else:
         last = repeat.reason.strip().splitlines()[-1][:160] if repeat.reason.strip() else ""
         got = repeat.status.upper() + (f" ({last})" if last else "")
-    return (f"[confirm {index}/{repeats}] trial #{candidate.trial.number} -> {got}"
-            + (" (finished by an earlier confirmation)" if reused else ""))
+    return f"[confirm {index}/{repeats}] trial #{candidate.trial.number} -> {got}" + (
+        " (finished by an earlier confirmation)" if reused else ""
+    )
 
 
-def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> Optional[RunResult]:
+def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> RunResult | None:
     """Repeat ``index`` of trial ``number`` as an earlier, interrupted confirmation measured it, if it succeeded
     under this very plan: ``result.json`` is written last, and ``plan.json`` must equal the plan this code makes
     (the resolved config included, so a run under another commit's defaults is not reused). A failed repeat
@@ -192,10 +218,17 @@ def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> Opti
     return None
 
 
-def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
-            progress: Optional[Callable[[str], None]] = None,
-            plan: Callable[[list[str]], tuple[RunPlan, str]] = _plan,
-            budget: Optional[TimeBudget] = None, recipe: Optional[str] = None) -> Confirmation:
+def confirm(
+    study: optuna.Study,
+    *,
+    sweep_dir: Path,
+    top_k: int,
+    repeats: int,
+    progress: Callable[[str], None] | None = None,
+    plan: Callable[[list[str]], tuple[RunPlan, str]] = _plan,
+    budget: TimeBudget | None = None,
+    recipe: str | None = None,
+) -> Confirmation:
     """Re-run the top ``top_k`` trials ``repeats`` times each, write ``best/confirm.json``, return the record.
 
     Mixed data realism and a study without a known objective are refused before anything runs. ``progress``
@@ -217,8 +250,15 @@ def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
             plans[candidate.trial.number] = plan(candidate.overrides)
         except INVALID_ERRORS as exc:
             invalid[candidate.trial.number] = str(exc)
-    record = partial(Confirmation, study_name=study.study_name, objective_metrics=objective.metrics,
-                     directions=objective.directions, data_realism=realism, repeats=repeats, candidates=candidates)
+    record = partial(
+        Confirmation,
+        study_name=study.study_name,
+        objective_metrics=objective.metrics,
+        directions=objective.directions,
+        data_realism=realism,
+        repeats=repeats,
+        candidates=candidates,
+    )
     for index in range(1, repeats + 1):
         for candidate in candidates:
             number = candidate.trial.number
@@ -228,8 +268,9 @@ def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
             elif reused := _finished(sweep_dir / "confirm", number, index, plans[number][0]):
                 repeat = _repeat(reused, objective, realism)
             elif budget is not None and not budget.allows(need := wall_seconds(candidate.trial) or budget.slowest):
-                return record(stopped=budget.why_not(f"re-run {index} of trial #{number}", need,
-                                                     "the trial's own time"))
+                return record(
+                    stopped=budget.why_not(f"re-run {index} of trial #{number}", need, "the trial's own time")
+                )
             else:
                 plan, resolved_yaml = plans[number]
                 run_dir = new_run_dir(sweep_dir / "confirm", prefix=f"t{number}-r{index}")
@@ -247,19 +288,33 @@ def confirm(study: optuna.Study, *, sweep_dir: Path, top_k: int, repeats: int,
 
 def table(confirmation: Confirmation) -> str:
     """Per candidate: the original value, each repeat's, their median and the step-time CV across repeats."""
-    def fmt(value: Optional[float]) -> str:
+
+    def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.4g}"
 
     winner = confirmation.winner
-    rows = [["trial", f"original {confirmation.objective_metrics[0]}", "repeats", "median",
-             f"step-time CV (target <= {CV_TARGET:.0%})", ""]]
+    rows = [
+        [
+            "trial",
+            f"original {confirmation.objective_metrics[0]}",
+            "repeats",
+            "median",
+            f"step-time CV (target <= {CV_TARGET:.0%})",
+            "",
+        ]
+    ]
     for c in confirmation.candidates:
         median, cv = c.median_values, c.step_time_cv
-        rows.append([f"#{c.trial.number}", fmt(c.trial.values[0]),
-                     ", ".join(fmt(r.values[0]) if r.ok else r.status.upper() for r in c.repeats),
-                     fmt(median[0] if median else None),
-                     "-" if cv is None else f"{cv:.2%}" + ("" if cv <= CV_TARGET else " (over target)"),
-                     "<- holds" if c is winner else ""])
+        rows.append(
+            [
+                f"#{c.trial.number}",
+                fmt(c.trial.values[0]),
+                ", ".join(fmt(r.values[0]) if r.ok else r.status.upper() for r in c.repeats),
+                fmt(median[0] if median else None),
+                "-" if cv is None else f"{cv:.2%}" + ("" if cv <= CV_TARGET else " (over target)"),
+                "<- holds" if c is winner else "",
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))

@@ -10,8 +10,9 @@ existed have none and rank together.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -23,7 +24,7 @@ class RecipeError(ValueError):
     """``--recipe`` names no recipe of the study."""
 
 
-def recipe_of(trial: FrozenTrial) -> Optional[str]:
+def recipe_of(trial: FrozenTrial) -> str | None:
     return trial.user_attrs.get("recipe")
 
 
@@ -36,18 +37,20 @@ def fingerprints(study: optuna.Study) -> list[str]:
     return seen
 
 
-def chosen(study: optuna.Study, recipe: Optional[str] = None) -> Optional[str]:
+def chosen(study: optuna.Study, recipe: str | None = None) -> str | None:
     """``recipe`` (checked) or the baseline's; None for a study without fingerprints."""
     known = fingerprints(study)
     if recipe is not None:
         if recipe not in known:
-            raise RecipeError(f"--recipe {recipe} is not a recipe of study {study.study_name} "
-                              f"(it has: {', '.join(known) or 'none recorded'})")
+            raise RecipeError(
+                f"--recipe {recipe} is not a recipe of study {study.study_name} "
+                f"(it has: {', '.join(known) or 'none recorded'})"
+            )
         return recipe
     return known[0] if known else None
 
 
-def keep(trials: Sequence[FrozenTrial], recipe: Optional[str]) -> list[FrozenTrial]:
+def keep(trials: Sequence[FrozenTrial], recipe: str | None) -> list[FrozenTrial]:
     return [t for t in trials if recipe is None or recipe_of(t) == recipe]
 
 
@@ -67,7 +70,7 @@ class OtherRecipe:
     """Fields where it differs from the ranked recipe."""
 
 
-def others(study: optuna.Study, recipe: Optional[str]) -> list[OtherRecipe]:
+def others(study: optuna.Study, recipe: str | None) -> list[OtherRecipe]:
     """The recipes besides ``recipe``, each with its completed trials and what differs."""
     if recipe is None:
         return []
@@ -78,25 +81,33 @@ def others(study: optuna.Study, recipe: Optional[str]) -> list[OtherRecipe]:
         if fingerprint == recipe:
             continue
         mine = [t for t in trials if recipe_of(t) == fingerprint]
-        found.append(OtherRecipe(fingerprint=fingerprint,
-                                 trials=[t for t in mine if t.state == TrialState.COMPLETE],
-                                 differs=between(mine[0].user_attrs.get("recipe_differs", {}), base)))
+        found.append(
+            OtherRecipe(
+                fingerprint=fingerprint,
+                trials=[t for t in mine if t.state == TrialState.COMPLETE],
+                differs=between(mine[0].user_attrs.get("recipe_differs", {}), base),
+            )
+        )
     return found
 
 
-def note(study: optuna.Study, recipe: Optional[str], *, explicit: bool = False) -> str:
+def note(study: optuna.Study, recipe: str | None, *, explicit: bool = False) -> str:
     """Empty for a study of one recipe; else what is ranked and each other recipe's best, apart."""
     rest = others(study, recipe)
     if not rest:
         return ""
     sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
     why = "named with --recipe" if explicit else "the baseline's: the study's first trial"
-    lines = [f"recipes: the study holds {len(rest) + 1} recipes (they train different models); ranked: {recipe} "
-             f"({why}). Ranked apart, never against it:"]
+    lines = [
+        f"recipes: the study holds {len(rest) + 1} recipes (they train different models); ranked: {recipe} "
+        f"({why}). Ranked apart, never against it:"
+    ]
     for other in rest:
         top = min(other.trials, key=lambda t: (sign * t.values[0], t.number)) if other.trials else None
         best = f"best trial #{top.number} ({top.values[0]:.4g})" if top else "no completed trial"
         diff = ", ".join(f"{k}={v}" for k, v in other.differs.items())
-        lines.append(f"  recipe {other.fingerprint}: {len(other.trials)} completed trial(s), {best}; differs: {diff}"
-                     f"  (moe-vlm-sweep best {study.study_name} --recipe {other.fingerprint})")
+        lines.append(
+            f"  recipe {other.fingerprint}: {len(other.trials)} completed trial(s), {best}; differs: {diff}"
+            f"  (moe-vlm-sweep best {study.study_name} --recipe {other.fingerprint})"
+        )
     return "\n".join(lines)

@@ -16,8 +16,8 @@ import json
 import sys
 import warnings
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -35,11 +35,14 @@ def failure_counts(study: optuna.Study) -> Counter:
 
 
 def _metric_names(study: optuna.Study) -> list[str]:
-    return study.metric_names or study.user_attrs.get("objective_metrics") or [
-        f"objective {i}" for i in range(len(study.directions))]
+    return (
+        study.metric_names
+        or study.user_attrs.get("objective_metrics")
+        or [f"objective {i}" for i in range(len(study.directions))]
+    )
 
 
-def _component_shares(trial: FrozenTrial) -> Optional[dict[str, float]]:
+def _component_shares(trial: FrozenTrial) -> dict[str, float] | None:
     run_dir = trial.user_attrs.get("run_dir")
     try:
         split = json.loads((Path(run_dir) / METRICS_FILE).read_text()).get("component_split") if run_dir else None
@@ -81,16 +84,26 @@ def plots(study: optuna.Study, out: Path, top: Sequence[FrozenTrial]) -> dict[st
             drawn[title] = f"not drawn: {exc}"
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    draw("Optimization history", "history.png",
-         lambda: ov.plot_optimization_history(study, target=first if len(study.directions) > 1 else None,
-                                              target_name=names[0]))  # one objective: with its best-so-far line
+    draw(
+        "Optimization history",
+        "history.png",
+        lambda: ov.plot_optimization_history(
+            study, target=first if len(study.directions) > 1 else None, target_name=names[0]
+        ),
+    )  # one objective: with its best-so-far line
     # Optuna's default evaluator (PED-ANOVA) ranks knobs by how they reach low values: a maximized objective is
     # handed over negated, so the importances are about reaching the best trials.
     sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
     if len(complete) >= 2 and any(t.params for t in complete):
-        draw("Parameter importances", "importances.png",
-             lambda: ov.plot_param_importances(study, target=lambda t: sign * t.values[0],
-                                               target_name=f"{names[0]} ({study.directions[0].name.lower()}d)"))
+        draw(
+            "Parameter importances",
+            "importances.png",
+            lambda: ov.plot_param_importances(
+                study,
+                target=lambda t: sign * t.values[0],
+                target_name=f"{names[0]} ({study.directions[0].name.lower()}d)",
+            ),
+        )
     else:
         drawn["Parameter importances"] = "not drawn: needs two completed trials with searched knobs"
     if len(study.directions) == 2:
@@ -98,7 +111,7 @@ def plots(study: optuna.Study, out: Path, top: Sequence[FrozenTrial]) -> dict[st
     counts = failure_counts(study)
 
     def outcomes():
-        fig, ax = plt.subplots()
+        _fig, ax = plt.subplots()
         ax.bar(list(counts), list(counts.values()), color=["tab:green" if c == "ok" else "tab:red" for c in counts])
         ax.set_ylabel("trials")
         ax.set_title("Outcome of every trial")
@@ -107,8 +120,9 @@ def plots(study: optuna.Study, out: Path, top: Sequence[FrozenTrial]) -> dict[st
     draw("Outcomes", "outcomes.png", outcomes)
     shares = {f"#{t.number}": s for t in top if (s := _component_shares(t))}
     if shares:
+
         def split():
-            fig, ax = plt.subplots()
+            _fig, ax = plt.subplots()
             phases = sorted({p for s in shares.values() for p in s})
             bottom = [0.0] * len(shares)
             for phase in phases:
@@ -138,15 +152,21 @@ def write_report(study: optuna.Study, out: Path, *, top_k: int = 5, links: Seque
     names = _metric_names(study)
     top = ranked(study)[:top_k]
     rows = [["rank", "trial", *names, "config"]]
-    rows += [[str(i), f"#{t.number}", *(f"{v:.4g}" for v in t.values),
-              " ".join(f"{k}={v}" for k, v in t.params.items())] for i, t in enumerate(top, 1)]
+    rows += [
+        [str(i), f"#{t.number}", *(f"{v:.4g}" for v in t.values), " ".join(f"{k}={v}" for k, v in t.params.items())]
+        for i, t in enumerate(top, 1)
+    ]
     counts = failure_counts(study)
-    sections = [f"<h1>Study {html.escape(study.study_name)}</h1>",
-                f"<p>{len(study.trials)} trials; objective {html.escape(' and '.join(names))} "
-                f"({' and '.join(d.name.lower() for d in study.directions)}); data realism "
-                f"{html.escape(str(study.user_attrs.get('data_realism')))}.</p>",
-                "<h2>Top configs</h2>", _table(rows) if top else "<p>No successful trial yet.</p>",
-                "<h2>Outcomes</h2>", _table([["outcome", "trials"], *([c, str(n)] for c, n in counts.most_common())])]
+    sections = [
+        f"<h1>Study {html.escape(study.study_name)}</h1>",
+        f"<p>{len(study.trials)} trials; objective {html.escape(' and '.join(names))} "
+        f"({' and '.join(d.name.lower() for d in study.directions)}); data realism "
+        f"{html.escape(str(study.user_attrs.get('data_realism')))}.</p>",
+        "<h2>Top configs</h2>",
+        _table(rows) if top else "<p>No successful trial yet.</p>",
+        "<h2>Outcomes</h2>",
+        _table([["outcome", "trials"], *([c, str(n)] for c, n in counts.most_common())]),
+    ]
     for title, drawn in plots(study, out, top).items():
         sections.append(f"<h2>{html.escape(title)}</h2>")
         if isinstance(drawn, Path):
@@ -155,12 +175,15 @@ def write_report(study: optuna.Study, out: Path, *, top_k: int = 5, links: Seque
         else:
             sections.append(f"<p>{html.escape(drawn)}</p>")
     if links:
-        sections += ["<h2>Open it</h2>", "<ul>" + "".join(f"<li><code>{html.escape(l)}</code></li>"
-                                                        for l in links) + "</ul>"]
-    page = ("<!doctype html><meta charset='utf-8'><title>" + html.escape(study.study_name) + "</title><style>"
-            "body{font-family:sans-serif;max-width:1000px;margin:auto}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}img{max-width:100%}</style>"
-            + "\n".join(sections))
+        sections += [
+            "<h2>Open it</h2>",
+            "<ul>" + "".join(f"<li><code>{html.escape(link)}</code></li>" for link in links) + "</ul>",
+        ]
+    page = (
+        "<!doctype html><meta charset='utf-8'><title>" + html.escape(study.study_name) + "</title><style>"
+        "body{font-family:sans-serif;max-width:1000px;margin:auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}img{max-width:100%}</style>" + "\n".join(sections)
+    )
     path = out / "index.html"
     path.write_text(page)
     return path
@@ -189,8 +212,10 @@ def main(argv: Sequence[str]) -> int:
     except (ExportError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    links = [f"moe-vlm-sweep ui --outputs {outputs}   # MLflow: the study's parent run and a child per trial",
-             f"optuna-dashboard {storage}   # Optuna's own view of the study"]
+    links = [
+        f"moe-vlm-sweep ui --outputs {outputs}   # MLflow: the study's parent run and a child per trial",
+        f"optuna-dashboard {storage}   # Optuna's own view of the study",
+    ]
     out = Path(args.out) if args.out else outputs / "sweeps" / name / REPORT_DIR
     path = write_report(study, out, top_k=args.top, links=links)
     logged = log_report(tracking_uri=default_uri(outputs), experiment=args.experiment, study_name=name, folder=out)

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from moe_vlm_sweep.config import recipe as recipes
 from moe_vlm_sweep.export.confirm import _plan
@@ -60,12 +61,12 @@ class Verdict:
     """``pass``, ``fail`` (a step's loss is outside the tolerance) or ``error`` (a run failed: ``reason``)."""
     steps: int
     reason: str = ""
-    max_deviation: Optional[float] = None
+    max_deviation: float | None = None
     """The largest ``|cand(s) - ref(s)|``."""
-    max_deviation_step: Optional[int] = None
-    worst_step: Optional[int] = None
+    max_deviation_step: int | None = None
+    worst_step: int | None = None
     """The step whose deviation is the largest share of its tolerance."""
-    worst_ratio: Optional[float] = None
+    worst_ratio: float | None = None
     """Deviation / tolerance at ``worst_step``: above 1 fails."""
     perturbation: str = ""
     """How the reference was re-run to measure the tolerance."""
@@ -75,7 +76,7 @@ class Verdict:
     tolerance: list[float] = field(default_factory=list)
     recipes: dict[str, Any] = field(default_factory=dict)
     """``reference``/``candidate`` -> plan.json's recipe (fingerprint, differs)."""
-    run_dirs: dict[str, Optional[str]] = field(default_factory=dict)
+    run_dirs: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -85,15 +86,18 @@ class Verdict:
         if self.status == "error":
             return f"verify: ERROR: {self.reason}"
         ref, cand = self.recipes.get("reference", {}), self.recipes.get("candidate", {})
-        lines = [f"verify: {self.status.upper()}: largest loss deviation {self.max_deviation:.3g} at step "
-                 f"{self.max_deviation_step} of {self.steps}; nearest its tolerance at step {self.worst_step}, "
-                 f"{self.worst_ratio:.2g} x the tolerance {self.tolerance[self.worst_step]:.3g} there",
-                 f"  tolerance: {HEADROOM:g} x the reference's spread against itself ({self.perturbation}), "
-                 f"at least {LOSS_RESOLUTION:.2g} x the loss"]
+        lines = [
+            f"verify: {self.status.upper()}: largest loss deviation {self.max_deviation:.3g} at step "
+            f"{self.max_deviation_step} of {self.steps}; nearest its tolerance at step {self.worst_step}, "
+            f"{self.worst_ratio:.2g} x the tolerance {self.tolerance[self.worst_step]:.3g} there",
+            f"  tolerance: {HEADROOM:g} x the reference's spread against itself ({self.perturbation}), "
+            f"at least {LOSS_RESOLUTION:.2g} x the loss",
+        ]
         if ref.get("fingerprint") != cand.get("fingerprint"):
             diff = recipes.describe(recipes.between(cand.get("differs", {}), ref.get("differs", {})))
-            lines.append(f"  recipes differ: candidate {cand.get('fingerprint')} vs reference "
-                         f"{ref.get('fingerprint')}: {diff}")
+            lines.append(
+                f"  recipes differ: candidate {cand.get('fingerprint')} vs reference {ref.get('fingerprint')}: {diff}"
+            )
         return "\n".join(lines)
 
 
@@ -109,16 +113,30 @@ def compare(reference: Sequence[float], perturbed: Sequence[float], candidate: S
     deviations = [abs(c - r) for r, c in zip(reference, candidate)]
     top = max(range(len(deviations)), key=deviations.__getitem__)
     worst = max(range(len(ratios)), key=ratios.__getitem__)
-    return Verdict(status="pass" if ratios[worst] <= 1.0 else "fail", steps=len(reference),
-                   max_deviation=deviations[top], max_deviation_step=top, worst_step=worst,
-                   worst_ratio=ratios[worst], reference=list(reference), perturbed=list(perturbed),
-                   candidate=list(candidate), tolerance=tolerance)
+    return Verdict(
+        status="pass" if ratios[worst] <= 1.0 else "fail",
+        steps=len(reference),
+        max_deviation=deviations[top],
+        max_deviation_step=top,
+        worst_step=worst,
+        worst_ratio=ratios[worst],
+        reference=list(reference),
+        perturbed=list(perturbed),
+        candidate=list(candidate),
+        tolerance=tolerance,
+    )
 
 
 def run_overrides(overrides: Sequence[str], steps: int) -> list[str]:
     """The overrides of a verification run: ``steps`` steps, every one recorded (no warm-up, census, profiling)."""
-    return [*overrides, f"train.steps={steps}", "train.warmup_steps=0", "train.profile_steps=0",
-            "train.activation_census=false", "train.trace=false"]
+    return [
+        *overrides,
+        f"train.steps={steps}",
+        "train.warmup_steps=0",
+        "train.profile_steps=0",
+        "train.activation_census=false",
+        "train.trace=false",
+    ]
 
 
 def _perturbations(reference: RunPlan, candidate: RunPlan) -> list[int]:
@@ -126,8 +144,15 @@ def _perturbations(reference: RunPlan, candidate: RunPlan) -> list[int]:
     return [m for m in dict.fromkeys([other, mbs // 2, mbs * 2]) if m >= 1 and m != mbs]
 
 
-def verify(candidate: Sequence[str], reference: Sequence[str], *, steps: int = DEFAULT_STEPS, out_dir: Path,
-           plan: PlanFn = _plan, progress: Callable[[str], None] = lambda line: None) -> Verdict:
+def verify(
+    candidate: Sequence[str],
+    reference: Sequence[str],
+    *,
+    steps: int = DEFAULT_STEPS,
+    out_dir: Path,
+    plan: PlanFn = _plan,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Verdict:
     """Train ``reference``, its re-split twin and ``candidate`` (override lists) for ``steps`` steps each under
     ``out_dir/runs`` and compare; ``verify.json`` in ``out_dir`` records the verdict. Invalid configs raise
     :class:`VerifyError` before anything runs. ``plan`` composes and validates overrides as ``moe-vlm-sweep run``
@@ -156,8 +181,13 @@ def verify(candidate: Sequence[str], reference: Sequence[str], *, steps: int = D
         runs[name] = launch(run_plan, run_dir)
     failed = {name: r for name, r in runs.items() if not r.ok}
     if failed:
-        verdict = Verdict(status="error", steps=steps, reason="; ".join(
-            f"the {name} run failed ({r.status}): {(r.reason or '').strip()[-300:]}" for name, r in failed.items()))
+        verdict = Verdict(
+            status="error",
+            steps=steps,
+            reason="; ".join(
+                f"the {name} run failed ({r.status}): {(r.reason or '').strip()[-300:]}" for name, r in failed.items()
+            ),
+        )
     else:
         curves = {name: r.metrics["loss"]["values"] for name, r in runs.items()}
         verdict = compare(curves["reference"], curves["perturbed"], curves["candidate"])
@@ -165,9 +195,14 @@ def verify(candidate: Sequence[str], reference: Sequence[str], *, steps: int = D
     verdict.recipes = {"reference": ref_plan[0].recipe, "candidate": cand_plan[0].recipe}
     verdict.run_dirs = {name: r.run_dir for name, r in runs.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / VERIFY_FILE, {**asdict(verdict), "headroom": HEADROOM,
-                                              "loss_resolution": LOSS_RESOLUTION,
-                                              "overrides": {"reference": list(reference),
-                                                            "candidate": list(candidate)}})
+    write_json_atomic(
+        out_dir / VERIFY_FILE,
+        {
+            **asdict(verdict),
+            "headroom": HEADROOM,
+            "loss_resolution": LOSS_RESOLUTION,
+            "overrides": {"reference": list(reference), "candidate": list(candidate)},
+        },
+    )
     log.info("verify %s: %s", verdict.status, json.dumps(verdict.run_dirs))
     return verdict

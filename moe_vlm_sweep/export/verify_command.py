@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import optuna
 import yaml
@@ -55,22 +55,26 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--storage", help="Optuna storage URL of the study (default: OUTPUTS/sweeps/STUDY/optuna.db)")
     args = parser.parse_args(list(argv))
     outputs = Path(args.outputs)
-    study_name: Optional[str] = None
+    study_name: str | None = None
     try:
-        if len(args.target) == 1 and "=" not in args.target[0] or (not args.target and args.storage):
+        if (len(args.target) == 1 and "=" not in args.target[0]) or (not args.target and args.storage):
             name, storage = _find_study(outputs, args.target[0] if args.target else None, args.storage)
             study = optuna.load_study(study_name=name, storage=open_storage(storage))
             number, candidate, first = study_pair(study, outputs / "sweeps" / name)
             reference = args.against or first
             study_name, out_dir = name, outputs / "sweeps" / name / "verify"
-            print(f"verify: trial #{number} of {name} against "
-                  + ("the given overrides" if args.against else "the study's first trial"), flush=True)
+            print(
+                f"verify: trial #{number} of {name} against "
+                + ("the given overrides" if args.against else "the study's first trial"),
+                flush=True,
+            )
         else:
             if not args.against:
                 raise VerifyError("verify OVERRIDES needs --against OVERRIDES (the reference config)")
             candidate, reference, out_dir = list(args.target), list(args.against), outputs / "verify"
-        verdict = verify(candidate, reference, steps=args.steps, out_dir=out_dir,
-                         progress=lambda line: print(line, flush=True))
+        verdict = verify(
+            candidate, reference, steps=args.steps, out_dir=out_dir, progress=lambda line: print(line, flush=True)
+        )
     except (VerifyError, ExportError, RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

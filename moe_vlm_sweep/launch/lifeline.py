@@ -15,25 +15,24 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 LAUNCHER_ENV = "MOE_VLM_SWEEP_LAUNCHER"
 WATCH_S = 1.0
 """How often a rank checks; one syscall a second costs nothing measurable next to a training step."""
 
 
-def start_ticks(pid: int) -> Optional[str]:
+def start_ticks(pid: int) -> str | None:
     """Field 22 of ``/proc/PID/stat`` (start time since boot, in ticks: fixed for the process's life), or None
     for a process that is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onward
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 (state) onward
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def launcher_identity() -> Optional[str]:
+def launcher_identity() -> str | None:
     """``pid:start_ticks`` of this process, for the worker's environment (None without ``/proc``)."""
     ticks = start_ticks(os.getpid())
     return None if ticks is None else f"{os.getpid()}:{ticks}"
@@ -53,8 +52,11 @@ def watch_launcher() -> None:
     def watch() -> None:
         while is_alive(identity):
             time.sleep(WATCH_S)
-        print(f"worker: its launcher ({identity}) is gone; exiting so no orphan holds the device",
-              file=sys.stderr, flush=True)
+        print(
+            f"worker: its launcher ({identity}) is gone; exiting so no orphan holds the device",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

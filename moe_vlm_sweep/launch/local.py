@@ -16,6 +16,7 @@ reason it returns ends the run's process group, and the run is ``pruned`` with t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,8 +24,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Protocol
 
 from moe_vlm_sweep.launch import warm_host
 from moe_vlm_sweep.launch.compile_cache import cache_env
@@ -56,8 +58,13 @@ def worker_command(plan: RunPlan, run_dir: Path) -> list[str]:
     launcher = plan.run_config.launcher
     if launcher.name == "local":
         return [sys.executable, "-m", WORKER_MODULE, str(run_dir)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launcher.nproc_per_node}",
-           f"--nnodes={launcher.nnodes}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={launcher.nproc_per_node}",
+        f"--nnodes={launcher.nnodes}",
+    ]
     if launcher.nnodes == 1:
         cmd.append("--standalone")
     return [*cmd, "-m", WORKER_MODULE, str(run_dir)]
@@ -67,7 +74,7 @@ class _Trial(Protocol):
     pid: int
     """The worker's (or torchrun's) pid: also its process group (setsid)."""
 
-    def wait(self, timeout: Optional[float]) -> Optional[int]:
+    def wait(self, timeout: float | None) -> int | None:
         """The exit status (negative: the signal), or None if still running after ``timeout`` s."""
 
 
@@ -76,11 +83,12 @@ class _FreshTrial:
 
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
         self.pid = self.proc.pid
 
-    def wait(self, timeout: Optional[float]) -> Optional[int]:
+    def wait(self, timeout: float | None) -> int | None:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -92,10 +100,9 @@ class _HostedTrial:
 
     def __init__(self, host: warm_host.WarmHost, run_dir: Path, env: dict[str, str], nproc: int):
         self.host, self.gone, self.returncode = host, None, None
-        self.pid = host.start(argv=[WORKER_MODULE, str(run_dir)], env=env, log_path=run_dir / WORKER_LOG,
-                              nproc=nproc)
+        self.pid = host.start(argv=[WORKER_MODULE, str(run_dir)], env=env, log_path=run_dir / WORKER_LOG, nproc=nproc)
 
-    def wait(self, timeout: Optional[float]) -> Optional[int]:
+    def wait(self, timeout: float | None) -> int | None:
         if self.gone or self.returncode is not None:
             return self.returncode  # as Popen.wait: the status once known, however often asked
         try:
@@ -103,14 +110,12 @@ class _HostedTrial:
             return self.returncode
         except warm_host.HostGone as exc:
             self.gone = str(exc)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             return None
 
 
-def _kill_group(trial: _Trial) -> Optional[int]:
+def _kill_group(trial: _Trial) -> int | None:
     """End the worker's whole process group; also reaps ranks a finished torchrun left behind."""
     returncode = None
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
@@ -131,19 +136,32 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def classify(run_dir: Path, returncode: int | None, timed_out: bool, timeout_s: float,
-             stopped: Optional[str] = None, host_gone: Optional[str] = None) -> RunResult:
+def classify(
+    run_dir: Path,
+    returncode: int | None,
+    timed_out: bool,
+    timeout_s: float,
+    stopped: str | None = None,
+    host_gone: str | None = None,
+) -> RunResult:
     metrics, failure = _read_json(run_dir / "metrics.json"), _read_json(run_dir / "failure.json")
     if stopped is not None:
         return RunResult(status="pruned", reason=stopped, returncode=returncode, failure=failure or {})
     if timed_out:
-        return RunResult(status="timeout", reason=f"no result within train.timeout_s={timeout_s:g} s",
-                         returncode=returncode, failure=failure or {})
+        return RunResult(
+            status="timeout",
+            reason=f"no result within train.timeout_s={timeout_s:g} s",
+            returncode=returncode,
+            failure=failure or {},
+        )
     if failure is not None:
         status = failure.get("failure_class", "crash")
-        return RunResult(status=status if status in STATUSES else "crash",
-                         reason=f"{failure.get('exception_type', '')}: {failure.get('message', '')}".strip(": "),
-                         returncode=returncode, failure=failure)
+        return RunResult(
+            status=status if status in STATUSES else "crash",
+            reason=f"{failure.get('exception_type', '')}: {failure.get('message', '')}".strip(": "),
+            returncode=returncode,
+            failure=failure,
+        )
     if returncode == 0 and metrics is not None:
         return RunResult(status="ok", returncode=0, metrics=metrics)
     if host_gone is not None:
@@ -161,8 +179,12 @@ def trial_env(plan: RunPlan) -> dict[str, str]:
     """The worker's environment: the caller's, with the allocator settings, the compile caches and the lifeline."""
     inherited = next(filter(None, map(os.environ.get, ALLOC_CONF_ENVS)), None)
     alloc_conf = cuda_alloc_conf(inherited, plan.run_config.train.expandable_segments)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict.fromkeys(ALLOC_CONF_ENVS, alloc_conf),
-           **cache_env(plan.run_config.outputs_dir, plan.run_config.hardware.name, os.environ)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **dict.fromkeys(ALLOC_CONF_ENVS, alloc_conf),
+        **cache_env(plan.run_config.outputs_dir, plan.run_config.hardware.name, os.environ),
+    }
     if identity := launcher_identity():
         env[LAUNCHER_ENV] = identity
     return env
@@ -173,7 +195,7 @@ def host_preload(plan: RunPlan) -> list[str]:
     return ["transformer_engine.pytorch"] if plan.transformer_impl == "transformer_engine" else []
 
 
-def _hosted(plan: RunPlan, run_dir: Path, env: dict[str, str]) -> Optional[_HostedTrial]:
+def _hosted(plan: RunPlan, run_dir: Path, env: dict[str, str]) -> _HostedTrial | None:
     """The run forked by this process's warm host, or None where it cannot be (several nodes, a host that fails
     to start or to fork: the run then starts fresh, so a broken host costs time, never a trial)."""
     launcher = plan.run_config.launcher
@@ -190,8 +212,9 @@ def _hosted(plan: RunPlan, run_dir: Path, env: dict[str, str]) -> Optional[_Host
         return None
 
 
-def launch(plan: RunPlan, run_dir: Path, *, warm: bool = False,
-           watch: Optional[Callable[[Path], Optional[str]]] = None) -> RunResult:
+def launch(
+    plan: RunPlan, run_dir: Path, *, warm: bool = False, watch: Callable[[Path], str | None] | None = None
+) -> RunResult:
     """Run the worker for ``plan`` in ``run_dir`` (prepared by ``run_dir.prepare``) and write result.json."""
     timeout_s = plan.run_config.train.timeout_s
     env = trial_env(plan)

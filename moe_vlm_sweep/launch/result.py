@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from moe_vlm_sweep.launch.run_dir import RESULT_FILE, write_json_atomic
 
@@ -17,8 +17,8 @@ class RunResult:
     status: str
     """``ok``, a failure class (oom | invalid | crash | timeout | nan), or ``pruned`` (a sweep stopped it early)."""
     reason: str = ""
-    run_dir: Optional[str] = None
-    returncode: Optional[int] = None
+    run_dir: str | None = None
+    returncode: int | None = None
     wall_s: float = 0.0
     metrics: dict[str, Any] = field(default_factory=dict)
     failure: dict[str, Any] = field(default_factory=dict)
@@ -35,5 +35,5 @@ class RunResult:
         write_json_atomic(run_dir / RESULT_FILE, asdict(self))
 
     @classmethod
-    def read(cls, run_dir: Path) -> "RunResult":
+    def read(cls, run_dir: Path) -> RunResult:
         return cls(**json.loads((run_dir / RESULT_FILE).read_text()))

@@ -13,8 +13,9 @@ import os
 import secrets
 import shlex
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from moe_vlm_sweep.plan.plan import RunPlan
 
@@ -50,5 +51,6 @@ def prepare(run_dir: Path, plan: RunPlan, resolved_yaml: str) -> None:
     write_atomic(run_dir / "config.yaml", resolved_yaml)
     write_atomic(run_dir / "overrides.yaml", "".join(f"- {shlex.quote(o)}\n" for o in plan.overrides) or "[]\n")
     plan.write(run_dir / "plan.json")
-    write_atomic(run_dir / "command.sh", "#!/bin/sh\n# Re-runs this exact config.\n" +
-                 rerun_command(plan.overrides) + "\n")
+    write_atomic(
+        run_dir / "command.sh", "#!/bin/sh\n# Re-runs this exact config.\n" + rerun_command(plan.overrides) + "\n"
+    )

@@ -7,7 +7,8 @@ submitted, because a job that cannot hold the run fails only after waiting in th
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 SUBMITIT_TARGET = "hydra_plugins.hydra_submitit_launcher"
 JOB_MARGIN_S = 120
@@ -26,20 +27,28 @@ def job_problems(job: Mapping[str, Any], *, nproc_per_node: int, nnodes: int, ti
     problems = []
     nodes, tasks, gpus = job.get("nodes", 1), job.get("tasks_per_node", 1), job.get("gpus_per_node")
     if nnodes != 1:
-        problems.append(f"launcher.nnodes={nnodes}: a run under Slurm is one node's process group "
-                        "(one trial per job; more workers share a study through sweep.storage)")
+        problems.append(
+            f"launcher.nnodes={nnodes}: a run under Slurm is one node's process group "
+            "(one trial per job; more workers share a study through sweep.storage)"
+        )
     if nodes != 1:
         problems.append(f"hydra.launcher.nodes={nodes} must be 1: the worker's process group runs on one node")
     if tasks != 1:
-        problems.append(f"hydra.launcher.tasks_per_node={tasks} must be 1: the job's one task starts the worker, "
-                        "and torchrun spawns the ranks")
+        problems.append(
+            f"hydra.launcher.tasks_per_node={tasks} must be 1: the job's one task starts the worker, "
+            "and torchrun spawns the ranks"
+        )
     if gpus is not None and gpus < nproc_per_node:
-        problems.append(f"hydra.launcher.gpus_per_node={gpus} is less than launcher.nproc_per_node="
-                        f"{nproc_per_node}: each rank needs its GPU")
+        problems.append(
+            f"hydra.launcher.gpus_per_node={gpus} is less than launcher.nproc_per_node="
+            f"{nproc_per_node}: each rank needs its GPU"
+        )
     timeout_min, signal_s = job.get("timeout_min"), job.get("signal_delay_s") or 0
     if timeout_min is not None and timeout_min * 60 < timeout_s + JOB_MARGIN_S + signal_s:
         why = f"{JOB_MARGIN_S} s" + (f" + hydra.launcher.signal_delay_s={signal_s}" if signal_s else "")
-        problems.append(f"hydra.launcher.timeout_min={timeout_min} must exceed train.timeout_s={timeout_s:g} s by "
-                        f"at least {why}: a hung run must end as a timeout the sweep records, before submitit's "
-                        "time-limit signal or Slurm's kill")
+        problems.append(
+            f"hydra.launcher.timeout_min={timeout_min} must exceed train.timeout_s={timeout_s:g} s by "
+            f"at least {why}: a hung run must end as a timeout the sweep records, before submitit's "
+            "time-limit signal or Slurm's kill"
+        )
     return problems

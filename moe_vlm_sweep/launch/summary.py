@@ -15,11 +15,20 @@ def summarize(result: RunResult) -> str:
     m = result.metrics
     st, loss = m["step_time_s"], m["loss"]["values"]
     rows = [
-        ("step time", f"{st['median'] * 1e3:.1f} ms median (p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
-                      f"CV {st['cv'] * 100:.1f}%, {len(st['steps'])} steps)"),
-        ("tokens/s/GPU", f"{m['effective_tokens_per_s_per_gpu']:.0f} effective, {m['tokens_per_s_per_gpu']:.0f} padded"),
-        ("TFLOP/s/GPU", f"{m['model_tflops_per_s_per_gpu']:.3f} useful -> MFU {m['mfu'] * 100:.2f}% "
-                        f"(HFU {m['hfu'] * 100:.2f}%, peak {m['peak_tflops']:.2f} {m['peak_source']})"),
+        (
+            "step time",
+            f"{st['median'] * 1e3:.1f} ms median (p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
+            f"CV {st['cv'] * 100:.1f}%, {len(st['steps'])} steps)",
+        ),
+        (
+            "tokens/s/GPU",
+            f"{m['effective_tokens_per_s_per_gpu']:.0f} effective, {m['tokens_per_s_per_gpu']:.0f} padded",
+        ),
+        (
+            "TFLOP/s/GPU",
+            f"{m['model_tflops_per_s_per_gpu']:.3f} useful -> MFU {m['mfu'] * 100:.2f}% "
+            f"(HFU {m['hfu'] * 100:.2f}%, peak {m['peak_tflops']:.2f} {m['peak_source']})",
+        ),
         ("peak memory", f"{m['peak_memory_gib']:.2f} GiB ({m['peak_memory_source']})"),
         ("loss", f"{loss[0]:.4f} -> {loss[-1]:.4f}"),
         ("data realism", m["data_realism"]),
@@ -32,9 +41,14 @@ def summarize(result: RunResult) -> str:
         rows.append(("cuda graphs", f"{m['graphed_layers']} decoder layers graphed"))
     census = m.get("saved_activations")
     if census:
-        rows.append(("activations", f"{_size(census['measured_gib']['total'])} saved for backward, estimate "
-                                    f"{_size(census['predicted_gib']['total'])} ({census['microbatches_in_flight']:g} "
-                                    "micro-batch(es) in flight; sources in saved_tensors.txt)"))
+        rows.append(
+            (
+                "activations",
+                f"{_size(census['measured_gib']['total'])} saved for backward, estimate "
+                f"{_size(census['predicted_gib']['total'])} ({census['microbatches_in_flight']:g} "
+                "micro-batch(es) in flight; sources in saved_tensors.txt)",
+            )
+        )
     split = m.get("component_split")
     if split:
         rows.append(("split", ", ".join(f"{k} {v * 100:.0f}%" for k, v in split["shares"].items())))

@@ -23,6 +23,7 @@ stdout to stderr first, so an import's print cannot corrupt it).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import logging
@@ -34,8 +35,8 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from moe_vlm_sweep.launch.lifeline import LAUNCHER_ENV, WATCH_S, is_alive
 
@@ -50,6 +51,7 @@ for a GPU leaves the host forkable (PyTorch's documented switch for fork-based l
 
 
 # --- the host's side (runs inside the worker's interpreter) ---------------------------------------------------
+
 
 def _send(fd: int, message: dict) -> None:
     os.write(fd, (json.dumps(message) + "\n").encode())
@@ -67,9 +69,15 @@ def _run_group(nproc: int, run_one: Callable[[], int]) -> int:
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                              LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
             os._exit(_guarded(run_one))
         ranks[pid] = rank
     failed = False
@@ -79,17 +87,15 @@ def _run_group(nproc: int, run_one: Callable[[], int]) -> int:
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed = True
             for other in ranks:  # as torchrun: one failed rank ends the group (the others would hang in a collective)
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(other, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
     return 1 if failed else 0
 
 
 def _guarded(body: Callable[[], int]) -> int:
     try:
         return body()
-    except BaseException:  # noqa: BLE001 -- a forked child must never return into the host's loop
+    except BaseException:
         import traceback
 
         traceback.print_exc()
@@ -143,13 +149,21 @@ def serve(preload: list[str], main: Callable[[list[str]], int]) -> int:
     for name in preload:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 -- the trial imports it again and fails with its own class
+        except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
     torch = sys.modules.get("torch")
     cuda_initialized = bool(torch is not None and torch.cuda.is_initialized())
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
-    _send(proto_out, {"ready": not cuda_initialized, "imports_s": time.perf_counter() - began,
-                      "failed_imports": failed, "cuda_initialized": cuda_initialized, "threads": threads})
+    _send(
+        proto_out,
+        {
+            "ready": not cuda_initialized,
+            "imports_s": time.perf_counter() - began,
+            "failed_imports": failed,
+            "cuda_initialized": cuda_initialized,
+            "threads": threads,
+        },
+    )
     if cuda_initialized:
         return 1
     identity, buffer, children = os.environ.get(LAUNCHER_ENV), b"", set()
@@ -177,6 +191,7 @@ def serve(preload: list[str], main: Callable[[list[str]], int]) -> int:
 
 # --- the launcher's side ------------------------------------------------------------------------------------
 
+
 class HostGone(RuntimeError):
     """The host exited or broke its protocol; the trial it ran (if any) has been ended."""
 
@@ -189,8 +204,9 @@ class WarmHost:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with open(log_path, "ab") as host_log:
-            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=host_log,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=host_log, env=env, start_new_session=True
+            )
         self._buffer = b""
         try:
             ready = self._next(READY_TIMEOUT_S)
@@ -203,7 +219,7 @@ class WarmHost:
         if ready.get("failed_imports"):
             log.warning("warm trial host: could not preload %s", ready["failed_imports"])
 
-    def _next(self, timeout: float) -> Optional[dict]:
+    def _next(self, timeout: float) -> dict | None:
         """The host's next message within ``timeout`` s, or None; raises HostGone at the pipe's end."""
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buffer:
@@ -237,7 +253,7 @@ class WarmHost:
             raise HostGone(f"the warm trial host did not fork the trial ({message}); see {self.log_path}")
         return int(message["started"])
 
-    def wait(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+    def wait(self, pid: int, timeout: float | None) -> int | None:
         """The trial's exit status (negative: the signal), or None if it is still running after ``timeout`` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -252,10 +268,8 @@ class WarmHost:
 
     def close(self) -> None:
         """Close the pipe (the host exits on its own), then make sure."""
-        try:
+        with contextlib.suppress(OSError):
             self.proc.stdin.close()
-        except OSError:
-            pass
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

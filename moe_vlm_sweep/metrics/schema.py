@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 SCHEMA_VERSION = 1
 METRICS_FILE = "metrics.json"
@@ -93,7 +93,7 @@ class Metrics:
     """``data.realism`` of the run; results of different realism are never ranked together."""
     hardware: str
     """``hardware.name``."""
-    recipe: Optional[str] = None
+    recipe: str | None = None
     """The recipe fingerprint (plan.json's ``recipe``): runs of different recipes train different models."""
     device: str
     layout: dict[str, Any]
@@ -126,10 +126,10 @@ class Metrics:
     peak_memory_gib: float
     """Max over ranks: torch.cuda.max_memory_allocated on GPU, peak RSS of the process on the CPU."""
     peak_memory_source: str
-    predicted_peak_memory_gib: Optional[float] = None
+    predicted_peak_memory_gib: float | None = None
     """The planner's lower bound for GPU runs (``plan/memory.py``), to read next to the measured peak."""
     loss: Loss
-    cuda_alloc_conf: Optional[str] = None
+    cuda_alloc_conf: str | None = None
     """PyTorch's CUDA allocator settings as the worker saw them (``PYTORCH_CUDA_ALLOC_CONF``, which the launcher
     sets from ``train.expandable_segments``); None for a worker started without the launcher."""
     wall_s: dict[str, float] = field(default_factory=dict)
@@ -147,9 +147,9 @@ class Metrics:
     graphed_layers: int = 0
     """Decoder layers per rank that replayed CUDA graphs in the measured steps (0 with ``cuda_graph=none``);
     a graph scope that graphed nothing fails the run instead of being measured as eager."""
-    component_split: Optional[ComponentSplit] = None
+    component_split: ComponentSplit | None = None
     """None when train.profile_steps is 0."""
-    saved_activations: Optional[SavedActivations] = None
+    saved_activations: SavedActivations | None = None
     """None without a census step (``train.activation_census=false``, or CUDA graphs)."""
     accounting_notes: list[str] = field(default_factory=list)
     """The simplifications the FLOPs and token accounting still makes, said plainly."""
@@ -166,7 +166,7 @@ class Failure:
     exception_type: str
     message: str
     rank: int
-    step: Optional[int]
+    step: int | None
     """The step being run (None before training started)."""
     traceback: str
 

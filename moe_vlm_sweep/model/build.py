@@ -8,7 +8,7 @@ configs). Needs ``initialize_model_parallel`` to have run; returns one chunk per
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,34 +42,59 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
     bf16 = plan.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
-        num_layers=d.num_layers, hidden_size=d.hidden_size, num_attention_heads=d.num_attention_heads,
-        num_query_groups=d.num_query_groups, kv_channels=d.head_dim, ffn_hidden_size=d.ffn_hidden_size,
-        normalization=d.normalization, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None, context_parallel_size=p.cp,
-        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp, sequence_parallel=p.sp,
-        num_moe_experts=d.num_experts, moe_router_topk=d.moe_router_topk, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
+        num_layers=d.num_layers,
+        hidden_size=d.hidden_size,
+        num_attention_heads=d.num_attention_heads,
+        num_query_groups=d.num_query_groups,
+        kv_channels=d.head_dim,
+        ffn_hidden_size=d.ffn_hidden_size,
+        normalization=d.normalization,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp,
+        sequence_parallel=p.sp,
+        num_moe_experts=d.num_experts,
+        moe_router_topk=d.moe_router_topk,
+        moe_ffn_hidden_size=d.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=d.moe_shared_expert_intermediate_size,
-        moe_layer_freq=d.moe_layer_freq, moe_aux_loss_coeff=d.moe_aux_loss_coeff,
+        moe_layer_freq=d.moe_layer_freq,
+        moe_aux_loss_coeff=d.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if d.moe_aux_loss_coeff > 0 else "none",
         # Top-1 needs the softmax before the top-k (megatron refuses otherwise): a softmax over the one chosen
         # logit is always 1, which would give the router no gradient.
         moe_router_pre_softmax=d.moe_router_topk == 1,
-        moe_grouped_gemm=te, moe_token_dispatcher_type=disp.token_dispatcher,
+        moe_grouped_gemm=te,
+        moe_token_dispatcher_type=disp.token_dispatcher,
         **({"moe_flex_dispatcher_backend": disp.flex_backend} if disp.flex_backend else {}),
-        moe_expert_capacity_factor=disp.capacity_factor, moe_pad_expert_input_to_capacity=disp.pad_to_capacity,
+        moe_expert_capacity_factor=disp.capacity_factor,
+        moe_pad_expert_input_to_capacity=disp.pad_to_capacity,
         recompute_granularity=None if rc.granularity == "none" else rc.granularity,
         recompute_method=rc.method if rc.granularity == "full" else None,
         recompute_num_layers=(rc.num_layers or 1) if rc.granularity == "full" else None,
         recompute_modules=list(rc.modules) if rc.granularity == "selective" else None,  # named (rules.py)
-        bias_dropout_fusion=fu["bias_dropout"], apply_rope_fusion=fu["rope"],
-        masked_softmax_fusion=fu["masked_softmax"], moe_permute_fusion=fu["moe_permute"],
-        cross_entropy_loss_fusion=fu["cross_entropy"], gradient_accumulation_fusion=fu["gradient_accumulation"],
-        bias_activation_fusion=fu["bias_activation"], moe_router_fusion=fu["moe_router"],
-        cuda_graph_impl=cg.impl, cuda_graph_modules=list(cg.modules), cuda_graph_warmup_steps=cg.warmup_steps,
+        bias_dropout_fusion=fu["bias_dropout"],
+        apply_rope_fusion=fu["rope"],
+        masked_softmax_fusion=fu["masked_softmax"],
+        moe_permute_fusion=fu["moe_permute"],
+        cross_entropy_loss_fusion=fu["cross_entropy"],
+        gradient_accumulation_fusion=fu["gradient_accumulation"],
+        bias_activation_fusion=fu["bias_activation"],
+        moe_router_fusion=fu["moe_router"],
+        cuda_graph_impl=cg.impl,
+        cuda_graph_modules=list(cg.modules),
+        cuda_graph_warmup_steps=cg.warmup_steps,
         use_te_rng_tracker=plan.graph_rng == "te",
-        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         # Per-token loss: the schedule sums (loss, tokens) over micro-batches and finalize_model_grads divides the
         # gradients by the step's real-token count, so the loss is averaged over real tokens, not micro-batches.
         calculate_per_token_loss=True,
@@ -80,19 +105,41 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
 
 def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
     """A dense, unpipelined sibling of the decoder config (the ViT and the projector live on stage 0)."""
-    moe_off = dict(num_moe_experts=None, moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
-                   moe_grouped_gemm=False, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
-                   moe_ffn_hidden_size=None, moe_router_topk=2, moe_token_dispatcher_type="allgather",
-                   expert_model_parallel_size=1, expert_tensor_parallel_size=base.tensor_model_parallel_size,
-                   moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
-                   moe_permute_fusion=False, moe_router_fusion=False)
-    pipeline_off = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-                        sequence_parallel=False, context_parallel_size=1)
+    moe_off = dict(
+        num_moe_experts=None,
+        moe_shared_expert_intermediate_size=None,
+        moe_layer_freq=1,
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.0,
+        moe_ffn_hidden_size=None,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=base.tensor_model_parallel_size,
+        moe_expert_capacity_factor=None,
+        moe_pad_expert_input_to_capacity=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+    pipeline_off = dict(
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=False,
+        context_parallel_size=1,
+    )
     # bias_activation_fusion: megatron's fused GELU is the tanh approximation, so fusing it would change the
     # model; the ViT and projector keep exact GELU whatever the decoder's SwiGLU does
-    no_extras = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-                     recompute_modules=None, cuda_graph_impl="none", cuda_graph_modules=[],
-                     inference_cuda_graph_scope=None, bias_activation_fusion=False)
+    no_extras = dict(
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        recompute_modules=None,
+        cuda_graph_impl="none",
+        cuda_graph_modules=[],
+        inference_cuda_graph_scope=None,
+        bias_activation_fusion=False,
+    )
     kwargs = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     kwargs.update(moe_off, **pipeline_off, **no_extras, **fields)
     kwargs.pop("cuda_graph_scope", None)
@@ -101,31 +148,48 @@ def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
 
 def vision_config(plan: RunPlan, base: TransformerConfig) -> TransformerConfig:
     v = plan.run_config.model.vision
-    config = _dense_copy(base, num_layers=v.num_layers, hidden_size=v.hidden_size,
-                         num_attention_heads=v.num_attention_heads, num_query_groups=v.num_attention_heads,
-                         kv_channels=v.hidden_size // v.num_attention_heads, ffn_hidden_size=v.ffn_hidden_size,
-                         normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
-                         add_bias_linear=True, add_qkv_bias=True, apply_rope_fusion=False)
+    config = _dense_copy(
+        base,
+        num_layers=v.num_layers,
+        hidden_size=v.hidden_size,
+        num_attention_heads=v.num_attention_heads,
+        num_query_groups=v.num_attention_heads,
+        kv_channels=v.hidden_size // v.num_attention_heads,
+        ffn_hidden_size=v.ffn_hidden_size,
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        apply_rope_fusion=False,
+    )
     config.vision_model_type = v.kind  # read by LLaVAModel to pick CLIP or SigLIP
     return config
 
 
 def projector_config(plan: RunPlan, base: TransformerConfig) -> TransformerConfig:
     pr = plan.run_config.model.projector
-    return _dense_copy(base, ffn_hidden_size=pr.ffn_hidden_size or base.hidden_size, gated_linear_unit=False,
-                       activation_func=F.gelu, add_bias_linear=True)
+    return _dense_copy(
+        base,
+        ffn_hidden_size=pr.ffn_hidden_size or base.hidden_size,
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        add_bias_linear=True,
+    )
 
 
-def _decoder_spec(plan: RunPlan, config: TransformerConfig, vp_stage: Optional[int]):
+def _decoder_spec(plan: RunPlan, config: TransformerConfig, vp_stage: int | None):
     d = plan.run_config.model.decoder
     te = plan.transformer_impl == "transformer_engine"
     if d.moe_layer_freq == 1:  # one layer spec for all layers (LLaVA's SP check needs a layer spec)
         if te:  # TE's fused norm+linear reads config.normalization itself
             return get_gpt_layer_with_transformer_engine_spec(num_experts=d.num_experts, moe_grouped_gemm=True)
-        return get_gpt_layer_local_spec(num_experts=d.num_experts, moe_grouped_gemm=False,
-                                        normalization=d.normalization)
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=d.normalization,
-                                      vp_stage=vp_stage)
+        return get_gpt_layer_local_spec(
+            num_experts=d.num_experts, moe_grouped_gemm=False, normalization=d.normalization
+        )
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization=d.normalization, vp_stage=vp_stage
+    )
 
 
 def _projector_spec(te: bool) -> MLPSubmodules:
@@ -153,22 +217,40 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = LLaVAModel(
-            language_transformer_config=lm, language_transformer_layer_spec=_decoder_spec(plan, lm, vp_stage),
-            language_vocab_size=m.decoder.vocab_size, language_max_sequence_length=plan.decoder_row_length,
-            vision_transformer_config=vis, vision_transformer_layer_spec=vit_spec,
-            drop_vision_class_token=m.vision.kind == "clip", vision_projection_config=proj,
-            vision_projection_layer_spec=_projector_spec(te), vision_projection_type=m.projector.kind,
-            parallel_output=True, language_position_embedding_type="rope",
-            language_rotary_base=m.decoder.rotary_base, pre_process=first, post_process=last,
-            add_encoder=first, add_decoder=True, img_h=m.vision.image_size, img_w=m.vision.image_size,
-            patch_dim=m.vision.patch_size, image_token_index=IMAGE_TOKEN_INDEX,
-            pixel_shuffle=m.vision.spatial_merge == 2, vp_stage=vp_stage,
+            language_transformer_config=lm,
+            language_transformer_layer_spec=_decoder_spec(plan, lm, vp_stage),
+            language_vocab_size=m.decoder.vocab_size,
+            language_max_sequence_length=plan.decoder_row_length,
+            vision_transformer_config=vis,
+            vision_transformer_layer_spec=vit_spec,
+            drop_vision_class_token=m.vision.kind == "clip",
+            vision_projection_config=proj,
+            vision_projection_layer_spec=_projector_spec(te),
+            vision_projection_type=m.projector.kind,
+            parallel_output=True,
+            language_position_embedding_type="rope",
+            language_rotary_base=m.decoder.rotary_base,
+            pre_process=first,
+            post_process=last,
+            add_encoder=first,
+            add_decoder=True,
+            img_h=m.vision.image_size,
+            img_w=m.vision.image_size,
+            patch_dim=m.vision.patch_size,
+            image_token_index=IMAGE_TOKEN_INDEX,
+            pixel_shuffle=m.vision.spatial_merge == 2,
+            vp_stage=vp_stage,
         )
         if model.img_seq_len != m.image_tokens:  # the data lays out (and packing offsets) image_tokens per image
-            raise ValueError(f"LLaVA expands an image to {model.img_seq_len} tokens, but model.image_tokens is "
-                             f"{m.image_tokens}: the data layout and the FLOPs would not match the model")
-        model.freeze(freeze_language_model=False, freeze_vision_model=cfg.vision.freeze_encoder,
-                     freeze_vision_projection=cfg.vision.freeze_projector)
+            raise ValueError(
+                f"LLaVA expands an image to {model.img_seq_len} tokens, but model.image_tokens is "
+                f"{m.image_tokens}: the data layout and the FLOPs would not match the model"
+            )
+        model.freeze(
+            freeze_language_model=False,
+            freeze_vision_model=cfg.vision.freeze_encoder,
+            freeze_vision_projection=cfg.vision.freeze_projector,
+        )
         model.model_type = ModelType.encoder_or_decoder  # the pipeline schedules raise without it
         if plan.fusions["linear_cross_entropy"]:
             linear_cross_entropy.install(model.language_model)

@@ -29,8 +29,8 @@ the padded shapes, useful at the real ones. tests/test_flops.py checks executed 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from moe_vlm_sweep.config.schema import DecoderConf, ModelConf, RecomputeConf, RunConfig
 from moe_vlm_sweep.metrics.schema import ComponentFlops
@@ -80,19 +80,24 @@ class BatchTokens:
     """The samples ran back to back without padding (``data.packing``)."""
 
     @classmethod
-    def from_lengths(cls, lengths: Sequence[int], *, images: int, seq_length: int,
-                     packed: bool = False) -> "BatchTokens":
+    def from_lengths(cls, lengths: Sequence[int], *, images: int, seq_length: int, packed: bool = False) -> BatchTokens:
         """From the real decoder length of each sample (``MicroBatch.decoder_lengths``); packed, the samples of
         one row (a micro-batch)."""
         lengths = [int(n) for n in lengths]
         if any(not 0 < n <= seq_length for n in lengths):
             raise ValueError(f"decoder lengths {lengths} must lie in (0, seq_length={seq_length}]")
-        return cls(samples=len(lengths), images=images, real_tokens=sum(lengths),
-                   real_attention_pairs=sum(n * (n + 1) // 2 for n in lengths),
-                   packed_row_squares=sum(lengths) ** 2 if packed else 0, seq_length=seq_length, packed=packed)
+        return cls(
+            samples=len(lengths),
+            images=images,
+            real_tokens=sum(lengths),
+            real_attention_pairs=sum(n * (n + 1) // 2 for n in lengths),
+            packed_row_squares=sum(lengths) ** 2 if packed else 0,
+            seq_length=seq_length,
+            packed=packed,
+        )
 
     @classmethod
-    def unpadded(cls, *, samples: int, images: int, seq_length: int) -> "BatchTokens":
+    def unpadded(cls, *, samples: int, images: int, seq_length: int) -> BatchTokens:
         """Every sample fills the whole sequence (a planner's estimate before any batch exists)."""
         return cls.from_lengths([seq_length] * samples, images=images, seq_length=seq_length)
 
@@ -108,16 +113,20 @@ class BatchTokens:
         return self.samples * executed_attention_pairs(self.seq_length, transformer_impl)
 
     @classmethod
-    def total(cls, batches: Sequence["BatchTokens"]) -> "BatchTokens":
+    def total(cls, batches: Sequence[BatchTokens]) -> BatchTokens:
         """The batches together (micro-batches of a step): every field adds up."""
         if not batches or len({(b.seq_length, b.packed) for b in batches}) != 1:
-            raise ValueError(f"need batches of one seq_length and packing, got "
-                             f"{[(b.seq_length, b.packed) for b in batches]}")
-        return cls(**{name: sum(getattr(b, name) for b in batches) for name in SUMMED_FIELDS},
-                   seq_length=batches[0].seq_length, packed=batches[0].packed)
+            raise ValueError(
+                f"need batches of one seq_length and packing, got {[(b.seq_length, b.packed) for b in batches]}"
+            )
+        return cls(
+            **{name: sum(getattr(b, name) for b in batches) for name in SUMMED_FIELDS},
+            seq_length=batches[0].seq_length,
+            packed=batches[0].packed,
+        )
 
     @classmethod
-    def mean(cls, batches: Sequence["BatchTokens"]) -> "BatchTokens":
+    def mean(cls, batches: Sequence[BatchTokens]) -> BatchTokens:
         """The mean step: FLOPs and token counts are linear in every field, so they average with it."""
         total = cls.total(batches)
         return dataclasses.replace(total, **{name: getattr(total, name) / len(batches) for name in SUMMED_FIELDS})
@@ -135,8 +144,9 @@ class Work:
 
     @property
     def flops(self) -> ComponentFlops:
-        return ComponentFlops(model=self.useful_forward + self.useful_backward,
-                              hardware=self.executed_forward + self.executed_backward)
+        return ComponentFlops(
+            model=self.useful_forward + self.useful_backward, hardware=self.executed_forward + self.executed_backward
+        )
 
 
 def _vision_forward_per_image(model: ModelConf) -> tuple[float, float]:
@@ -200,8 +210,12 @@ def _recomputed_forward(parts: dict[str, float], d: DecoderConf, rc: RecomputeCo
         return layer_total  # uniform: every layer is recomputed, in chunks of num_layers
     if rc.granularity == "selective":
         modules = rc.modules  # named (rules.py)
-        recomputed = {"core_attn": ["core_attn"], "moe": ["router", "experts", "shared_experts"],
-                      "mlp": ["dense_mlp"], "shared_experts": ["shared_experts"]}
+        recomputed = {
+            "core_attn": ["core_attn"],
+            "moe": ["router", "experts", "shared_experts"],
+            "mlp": ["dense_mlp"],
+            "shared_experts": ["shared_experts"],
+        }
         # moe_act and layernorm recompute elementwise work only; mla_up_proj needs MLA, which we do not build.
         names = {part for module in modules for part in recomputed.get(module, [])}
         return sum(parts[name] for name in names)
@@ -228,18 +242,30 @@ def component_work(cfg: RunConfig, batch: BatchTokens, *, transformer_impl: str)
 
     d = m.decoder
     useful = decoder_forward_parts(d, tokens=batch.real_tokens, attention_pairs=batch.real_attention_pairs)
-    executed = decoder_forward_parts(d, tokens=batch.padded_tokens,
-                                     attention_pairs=batch.executed_attention_pairs(transformer_impl))
+    executed = decoder_forward_parts(
+        d, tokens=batch.padded_tokens, attention_pairs=batch.executed_attention_pairs(transformer_impl)
+    )
     recompute = _recomputed_forward(executed, d, cfg.recompute, stages=cfg.parallel.pp * cfg.parallel.vpp)
     # The decoder always trains and its embedding table sits before layer 0: backward is 2x everywhere.
     return {
-        "vision_encoder": Work(useful_forward=vision_fwd, useful_backward=vision_bwd,
-                               executed_forward=vision_fwd, executed_backward=vision_bwd),
-        "projector": Work(useful_forward=projector_fwd, useful_backward=weight_grads + useful_input_grads,
-                          executed_forward=projector_fwd, executed_backward=weight_grads + executed_input_grads),
-        "decoder": Work(useful_forward=sum(useful.values()), useful_backward=2 * sum(useful.values()),
-                        executed_forward=sum(executed.values()),
-                        executed_backward=2 * sum(executed.values()) + recompute),
+        "vision_encoder": Work(
+            useful_forward=vision_fwd,
+            useful_backward=vision_bwd,
+            executed_forward=vision_fwd,
+            executed_backward=vision_bwd,
+        ),
+        "projector": Work(
+            useful_forward=projector_fwd,
+            useful_backward=weight_grads + useful_input_grads,
+            executed_forward=projector_fwd,
+            executed_backward=weight_grads + executed_input_grads,
+        ),
+        "decoder": Work(
+            useful_forward=sum(useful.values()),
+            useful_backward=2 * sum(useful.values()),
+            executed_forward=sum(executed.values()),
+            executed_backward=2 * sum(executed.values()) + recompute,
+        ),
     }
 
 
@@ -247,6 +273,7 @@ def step_flops(cfg: RunConfig, batch: BatchTokens, *, transformer_impl: str) -> 
     """FLOPs of one optimizer step over the world: component -> ComponentFlops (useful ``model``, executed
     ``hardware``), plus ``total``."""
     result = {name: work.flops for name, work in component_work(cfg, batch, transformer_impl=transformer_impl).items()}
-    result["total"] = ComponentFlops(model=sum(c.model for c in result.values()),
-                                     hardware=sum(c.hardware for c in result.values()))
+    result["total"] = ComponentFlops(
+        model=sum(c.model for c in result.values()), hardware=sum(c.hardware for c in result.values())
+    )
     return result

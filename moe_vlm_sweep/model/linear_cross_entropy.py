@@ -46,8 +46,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Per-token loss of ``hidden @ weight.T`` against ``labels`` over a vocabulary shard ``[start, start+V)``."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                tp_group: Any, chunk: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_start: int,
+        tp_group: Any,
+        chunk: int,
+    ) -> torch.Tensor:
         n = hidden.shape[0]
         vocab = weight.shape[0]
         kernels = _gpu_kernels(hidden)
@@ -100,8 +107,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hi = min(n, lo + chunk)
             logits = torch.matmul(hidden[lo:hi], weight.t())
             if kernels is not None:
-                grad_logits = kernels.grad_in_place(logits, lse[lo:hi], local[lo:hi], in_shard[lo:hi],
-                                                    grad_loss[lo:hi])
+                grad_logits = kernels.grad_in_place(logits, lse[lo:hi], local[lo:hi], in_shard[lo:hi], grad_loss[lo:hi])
             else:
                 probs = logits.to(lse.dtype).sub_(lse[lo:hi, None]).exp_()
                 probs[rows[: hi - lo], local[lo:hi]] -= in_shard[lo:hi].to(lse.dtype)
@@ -113,27 +119,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         sequence_parallel: bool) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, sequence_parallel: bool
+) -> torch.Tensor:
     """Per-token loss ``[b, s]`` from decoder hidden states ``[s, b, h]`` (``[s/TP, b, h]`` under SP) and labels
     ``[b, s]``, the shape and values ``LanguageModule.compute_language_model_loss`` returns."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     if tp > 1:
-        hidden = (gather_from_sequence_parallel_region(hidden, group=tp_group) if sequence_parallel
-                  else copy_to_tensor_model_parallel_region(hidden, group=tp_group))
+        hidden = (
+            gather_from_sequence_parallel_region(hidden, group=tp_group)
+            if sequence_parallel
+            else copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+        )
     s, b, h = hidden.shape
     flat_hidden = hidden.reshape(s * b, h)
     flat_labels = labels.transpose(0, 1).reshape(s * b)
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
-    loss = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, vocab_start, tp_group,
-                                     linear_ce_chunk_tokens(weight.shape[0]))
+    loss = _LinearCrossEntropy.apply(
+        flat_hidden, weight, flat_labels, vocab_start, tp_group, linear_ce_chunk_tokens(weight.shape[0])
+    )
     return loss.reshape(s, b).transpose(0, 1).contiguous()
 
 
-def _output_processor(*, hidden_states: torch.Tensor, output_layer: torch.nn.Module,
-                      output_weight: torch.Tensor | None, labels: torch.Tensor | None,
-                      runtime_gather_output: bool | None = None, **_: Any) -> torch.Tensor:
+def _output_processor(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: torch.nn.Module,
+    output_weight: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    runtime_gather_output: bool | None = None,
+    **_: Any,
+) -> torch.Tensor:
     """``GPTModel._postprocess``'s hook: the fused loss when there are labels, the layer's logits otherwise."""
     if labels is None:
         logits, _bias = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)

@@ -59,10 +59,12 @@ def max_and_sum(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return maxes, sums
 
 
-def grad_in_place(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, hit: torch.Tensor,
-                  grad_loss: torch.Tensor) -> torch.Tensor:
+def grad_in_place(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, hit: torch.Tensor, grad_loss: torch.Tensor
+) -> torch.Tensor:
     """Overwrite ``logits`` with ``(softmax - onehot(target if hit)) * grad_loss`` per row; return it."""
     rows, vocab = logits.shape
-    _grad_in_place_kernel[(rows,)](logits, logits.stride(0), lse, target, hit, grad_loss, vocab, BLOCK=_BLOCK,
-                                   num_warps=8)
+    _grad_in_place_kernel[(rows,)](
+        logits, logits.stride(0), lse, target, hit, grad_loss, vocab, BLOCK=_BLOCK, num_warps=8
+    )
     return logits

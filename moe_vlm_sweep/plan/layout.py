@@ -28,8 +28,18 @@ class Layout:
 
 def layout_of(cfg: RunConfig) -> Layout:
     p, world = cfg.parallel, cfg.launcher.world_size
-    return Layout(world_size=world, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
-                  dp=max(world // (p.tp * p.pp * p.cp), 1), edp=max(world // (p.etp * p.ep * p.pp), 1), sp=p.sp)
+    return Layout(
+        world_size=world,
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        cp=p.cp,
+        ep=p.ep,
+        etp=p.etp,
+        dp=max(world // (p.tp * p.pp * p.cp), 1),
+        edp=max(world // (p.etp * p.ep * p.pp), 1),
+        sp=p.sp,
+    )
 
 
 def seq_padding_factor(cfg: RunConfig) -> int:

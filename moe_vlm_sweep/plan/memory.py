@@ -65,18 +65,27 @@ def parameter_counts(model: ModelConf) -> Params:
     ffn = model.projector.ffn_hidden_size or h
     projector = width_in * h if model.projector.kind == "affine" else width_in * ffn + ffn * h
     return Params(
-        embedding=d.vocab_size * h, output_layer=d.vocab_size * h + h,
-        decoder_dense=d.num_layers * attention + d.num_moe_layers * (h * d.num_experts + shared)
+        embedding=d.vocab_size * h,
+        output_layer=d.vocab_size * h + h,
+        decoder_dense=d.num_layers * attention
+        + d.num_moe_layers * (h * d.num_experts + shared)
         + dense_layers * 3 * h * d.ffn_hidden_size,
         experts=d.num_moe_layers * d.num_experts * 3 * h * d.moe_ffn_hidden_size,
-        vision=v.num_layers * vision_layer + 3 * v.patch_size**2 * v.hidden_size
+        vision=v.num_layers * vision_layer
+        + 3 * v.patch_size**2 * v.hidden_size
         + (v.patches_per_image + v.class_token_len) * v.hidden_size,
         projector=projector,
     )
 
 
-def _decoder_layer_bytes_per_token(d: DecoderConf, *, moe: bool, element_bytes: int,
-                                   recomputed: frozenset[str] = frozenset(), fused_swiglu: bool = False) -> float:
+def _decoder_layer_bytes_per_token(
+    d: DecoderConf,
+    *,
+    moe: bool,
+    element_bytes: int,
+    recomputed: frozenset[str] = frozenset(),
+    fused_swiglu: bool = False,
+) -> float:
     """Saved activations of one decoder layer per token, as the census counts them on the H200 (megatron-core
     0.19, TE; ``benchmarks/results/h200_small_s1664/memory.json``); ``recomputed``: selective recompute modules.
 
@@ -117,23 +126,48 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
         decoder = tokens * layers * element_bytes * d.hidden_size
     else:
         moe_share = d.num_moe_layers / d.num_layers
-        decoder = tokens * layers * sum(
-            share * _decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes,
-                                                   recomputed=frozenset(rc.modules),  # selective only (rules.py)
-                                                   fused_swiglu=_fused(cfg, "bias_activation"))
-            for moe, share in ((True, moe_share), (False, 1 - moe_share)))
+        decoder = (
+            tokens
+            * layers
+            * sum(
+                share
+                * _decoder_layer_bytes_per_token(
+                    d,
+                    moe=moe,
+                    element_bytes=element_bytes,
+                    recomputed=frozenset(rc.modules),  # selective only (rules.py)
+                    fused_swiglu=_fused(cfg, "bias_activation"),
+                )
+                for moe, share in ((True, moe_share), (False, 1 - moe_share))
+            )
+        )
     v, pr = m.vision, m.projector
     images = cfg.batch.mbs * m.images_per_sample
     # Vision and projector run the decoder's TP without SP: norms whole, the rest split by TP. Per layer: both
     # norms' inputs and outputs; Q K V and attention out; the MLP's hidden twice (GELU in and out).
-    vision = 0.0 if cfg.vision.freeze_encoder else images * (v.patches_per_image + v.class_token_len) * (
-        v.num_layers * element_bytes * (4 * v.hidden_size + (4 * v.hidden_size + 2 * v.ffn_hidden_size) / p.tp))
+    vision = (
+        0.0
+        if cfg.vision.freeze_encoder
+        else images
+        * (v.patches_per_image + v.class_token_len)
+        * (v.num_layers * element_bytes * (4 * v.hidden_size + (4 * v.hidden_size + 2 * v.ffn_hidden_size) / p.tp))
+    )
     # the merged patches in (whole), the hidden twice (GELU in and out)
     hidden = 2 * (pr.ffn_hidden_size or d.hidden_size) / p.tp if pr.kind == "mlp" else 0
-    projector = 0.0 if cfg.vision.freeze_projector else images * v.patches_per_image / v.spatial_merge**2 * (
-        element_bytes * (v.hidden_size * v.spatial_merge**2 + hidden))
-    return {"vision_encoder": vision, "projector": projector, "decoder.layers": decoder,
-            "decoder.output": _output_bytes(cfg, tokens, element_bytes)}
+    projector = (
+        0.0
+        if cfg.vision.freeze_projector
+        else images
+        * v.patches_per_image
+        / v.spatial_merge**2
+        * (element_bytes * (v.hidden_size * v.spatial_merge**2 + hidden))
+    )
+    return {
+        "vision_encoder": vision,
+        "projector": projector,
+        "decoder.layers": decoder,
+        "decoder.output": _output_bytes(cfg, tokens, element_bytes),
+    }
 
 
 LINEAR_CE_CHUNK_BYTES = 2**29
@@ -179,9 +213,12 @@ def transient_bytes(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGHT
     layer = 0.0
     if cfg.recompute.granularity == "full":
         kinds = [moe for moe, count in ((True, d.num_moe_layers), (False, d.num_layers - d.num_moe_layers)) if count]
-        layer = tokens * max(_decoder_layer_bytes_per_token(d, moe=moe, element_bytes=element_bytes,
-                                                            fused_swiglu=_fused(cfg, "bias_activation"))
-                             for moe in kinds) - _output_bytes(cfg, tokens, element_bytes)
+        layer = tokens * max(
+            _decoder_layer_bytes_per_token(
+                d, moe=moe, element_bytes=element_bytes, fused_swiglu=_fused(cfg, "bias_activation")
+            )
+            for moe in kinds
+        ) - _output_bytes(cfg, tokens, element_bytes)
     return max(loss, layer)
 
 
@@ -248,8 +285,10 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
     """The lower-bound peak of the most loaded rank (see the module docstring for what it counts)."""
     layout, seq = layout_of(cfg), sharded_seq_length(cfg)
     saved = microbatches_in_flight(cfg) * sum(activation_parts(cfg, seq).values())
-    return MemoryEstimate(static_gib=static_bytes(cfg, layout.dp, layout.edp) / GIB,
-                          activations_gib=(saved + transient_bytes(cfg, seq)) / GIB)
+    return MemoryEstimate(
+        static_gib=static_bytes(cfg, layout.dp, layout.edp) / GIB,
+        activations_gib=(saved + transient_bytes(cfg, seq)) / GIB,
+    )
 
 
 def microbatches_in_flight(cfg: RunConfig) -> float:

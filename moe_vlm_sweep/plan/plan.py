@@ -10,7 +10,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from moe_vlm_sweep.config import recipe
 from moe_vlm_sweep.config.schema import RunConfig, from_dict, to_dict
@@ -40,9 +40,9 @@ class RunPlan:
     precision: str
     transformer_impl: str
     fusions: dict[str, bool]
-    predicted_peak_memory_gib: Optional[float] = None
+    predicted_peak_memory_gib: float | None = None
     """GPU runs: the lower-bound peak memory of the most loaded rank (``plan/memory.py``); None on the CPU."""
-    recipe: Optional[dict[str, Any]] = None
+    recipe: dict[str, Any] | None = None
     """What the run trains (``config/recipe.py``): ``fingerprint``, a short hash of the recipe fields, and
     ``differs``, the recipe fields that differ from the model's defaults."""
 
@@ -68,7 +68,7 @@ class RunPlan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunPlan":
+    def from_dict(cls, data: dict[str, Any]) -> RunPlan:
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}")
         return cls(**{**data, "layout": Layout(**data["layout"])})
@@ -77,7 +77,7 @@ class RunPlan:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def read(cls, path: Path) -> "RunPlan":
+    def read(cls, path: Path) -> RunPlan:
         return cls.from_dict(json.loads(path.read_text()))
 
 
@@ -112,36 +112,85 @@ def describe(plan: RunPlan) -> str:
     """The resolved plan as a person checks it: layout, batch arithmetic, tokens."""
     cfg, lay = plan.run_config, plan.layout
     rows = [
-        ("model", f"{cfg.model.name} (vision {cfg.model.vision.kind} {cfg.model.vision.num_layers}L, decoder "
-                  f"{cfg.model.decoder.num_layers}L {cfg.model.decoder.num_experts} experts "
-                  f"top-{cfg.model.decoder.moe_router_topk})"),
+        (
+            "model",
+            f"{cfg.model.name} (vision {cfg.model.vision.kind} {cfg.model.vision.num_layers}L, decoder "
+            f"{cfg.model.decoder.num_layers}L {cfg.model.decoder.num_experts} experts "
+            f"top-{cfg.model.decoder.moe_router_topk})",
+        ),
         ("hardware", f"{cfg.hardware.name} ({plan.device}, {plan.transformer_impl} specs, {plan.precision})"),
-        ("launcher", f"{cfg.launcher.name}: {cfg.launcher.nnodes} node(s) x {cfg.launcher.nproc_per_node} "
-                     f"= world {lay.world_size}"),
-        ("parallel", f"{cfg.parallel.strategy}" + (f" ({cfg.parallel.fsdp_sharding})"
-                                                  if cfg.parallel.strategy == "fsdp" else "")),
-        ("layout", f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} ep={lay.ep} etp={lay.etp} "
-                   f"sp={str(lay.sp).lower()} -> dp={lay.dp}, expert dp={lay.edp}"),
-        ("batch", f"gbs={cfg.batch.gbs} = mbs {cfg.batch.mbs} x dp {lay.dp} x {plan.num_microbatches} "
-                  "micro-batches per step"),
-        ("sequence", f"{plan.seq_length} decoder tokens/sample = {cfg.model.text_tokens} text + "
-                     f"{cfg.model.images_per_sample} image(s) x {cfg.model.image_tokens} tokens - placeholders"),
-        ("tokens/step", f"{plan.tokens_per_step} (padded)" + (
-            "; packed: each micro-batch runs its samples' real tokens back to back in one row ("
-            + ("THD" if plan.transformer_impl == "transformer_engine" else "block-causal mask") + ")"
-            if cfg.data.packing else "")),
-        *([("memory", f">= {plan.predicted_peak_memory_gib:.1f} GiB per GPU (lower bound, plan/memory.py) of "
-                      f"{cfg.hardware.memory_gib} GiB")] if plan.predicted_peak_memory_gib is not None else []),
+        (
+            "launcher",
+            f"{cfg.launcher.name}: {cfg.launcher.nnodes} node(s) x {cfg.launcher.nproc_per_node} "
+            f"= world {lay.world_size}",
+        ),
+        (
+            "parallel",
+            f"{cfg.parallel.strategy}"
+            + (f" ({cfg.parallel.fsdp_sharding})" if cfg.parallel.strategy == "fsdp" else ""),
+        ),
+        (
+            "layout",
+            f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} ep={lay.ep} etp={lay.etp} "
+            f"sp={str(lay.sp).lower()} -> dp={lay.dp}, expert dp={lay.edp}",
+        ),
+        (
+            "batch",
+            f"gbs={cfg.batch.gbs} = mbs {cfg.batch.mbs} x dp {lay.dp} x {plan.num_microbatches} micro-batches per step",
+        ),
+        (
+            "sequence",
+            f"{plan.seq_length} decoder tokens/sample = {cfg.model.text_tokens} text + "
+            f"{cfg.model.images_per_sample} image(s) x {cfg.model.image_tokens} tokens - placeholders",
+        ),
+        (
+            "tokens/step",
+            f"{plan.tokens_per_step} (padded)"
+            + (
+                "; packed: each micro-batch runs its samples' real tokens back to back in one row ("
+                + ("THD" if plan.transformer_impl == "transformer_engine" else "block-causal mask")
+                + ")"
+                if cfg.data.packing
+                else ""
+            ),
+        ),
+        *(
+            [
+                (
+                    "memory",
+                    f">= {plan.predicted_peak_memory_gib:.1f} GiB per GPU (lower bound, plan/memory.py) of "
+                    f"{cfg.hardware.memory_gib} GiB",
+                )
+            ]
+            if plan.predicted_peak_memory_gib is not None
+            else []
+        ),
         ("recompute", cfg.recompute.granularity + (f" {cfg.recompute.modules}" if cfg.recompute.modules else "")),
-        ("cuda_graph", f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})" + (
-            "; needs cuDNN >= 9.15.1 where it runs, since the sequence is not a multiple of 128 (the worker's "
-            "preflight checks)" if graphs_unfuse_attention(cfg, CUDNN_GRAPHED_ATTENTION_FIX - 1) else "")),
+        (
+            "cuda_graph",
+            f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})"
+            + (
+                "; needs cuDNN >= 9.15.1 where it runs, since the sequence is not a multiple of 128 (the worker's "
+                "preflight checks)"
+                if graphs_unfuse_attention(cfg, CUDNN_GRAPHED_ATTENTION_FIX - 1)
+                else ""
+            ),
+        ),
         ("dispatcher", cfg.dispatcher.name),
         ("vision", cfg.vision.name),
         ("fusions", ", ".join(k for k, v in plan.fusions.items() if v) or "none"),
         ("data", f"{cfg.data.name} (realism {cfg.data.realism})"),
-        *([("recipe", f"{plan.recipe['fingerprint']} (differs from model={cfg.model.name}'s defaults: "
-                      f"{recipe.describe(plan.recipe['differs'])})")] if plan.recipe else []),
+        *(
+            [
+                (
+                    "recipe",
+                    f"{plan.recipe['fingerprint']} (differs from model={cfg.model.name}'s defaults: "
+                    f"{recipe.describe(plan.recipe['differs'])})",
+                )
+            ]
+            if plan.recipe
+            else []
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.plan.layout import seq_padding_factor, sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
 
-Check = Callable[[RunConfig], Optional[str]]
+Check = Callable[[RunConfig], str | None]
 
 
 class Basis(enum.Enum):
@@ -46,14 +46,14 @@ class Basis(enum.Enum):
 class Rule:
     check: Check
     basis: Basis
-    source: Optional[str] = None
+    source: str | None = None
     """megatron-core's own check, as ``file: condition``, where the rule mirrors one."""
 
     @property
     def name(self) -> str:
         return self.check.__name__
 
-    def __call__(self, cfg: RunConfig) -> Optional[str]:
+    def __call__(self, cfg: RunConfig) -> str | None:
         message = self.check(cfg)
         return f"{message} ({self.source})" if message and self.source else message
 
@@ -69,7 +69,7 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
-def rule(basis: Basis, source: Optional[str] = None) -> Callable[[Check], Check]:
+def rule(basis: Basis, source: str | None = None) -> Callable[[Check], Check]:
     """Register a check in the table with the class of its reason and, where megatron-core makes the same check,
     where (``megatron/core/<file>.py: <condition>``)."""
     if basis in (Basis.MEGATRON, Basis.MODEL_BUILD) and not source:
@@ -78,6 +78,7 @@ def rule(basis: Basis, source: Optional[str] = None) -> Callable[[Check], Check]
     def register(fn: Check) -> Check:
         RULES.append(Rule(fn, basis, source))
         return fn
+
     return register
 
 
@@ -122,34 +123,39 @@ LLAVA = "megatron/core/models/multimodal/llava_model.py"
 
 # --- launcher and hardware ---------------------------------------------------------------------------------
 
+
 @rule(Basis.RUNTIME)
-def local_launcher_is_one_process(cfg: RunConfig) -> Optional[str]:
+def local_launcher_is_one_process(cfg: RunConfig) -> str | None:
     if cfg.launcher.name == "local" and _world(cfg) != 1:
-        return (f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} with launcher.nnodes={cfg.launcher.nnodes}: "
-                "launcher=local runs one process; use launcher=torchrun for a world size > 1")
+        return (
+            f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} with launcher.nnodes={cfg.launcher.nnodes}: "
+            "launcher=local runs one process; use launcher=torchrun for a world size > 1"
+        )
 
 
 @rule(Basis.RUNTIME)
-def processes_fit_the_node(cfg: RunConfig) -> Optional[str]:
+def processes_fit_the_node(cfg: RunConfig) -> str | None:
     if cfg.launcher.nproc_per_node > cfg.hardware.gpus_per_node:
-        return (f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} must be <= "
-                f"hardware.gpus_per_node={cfg.hardware.gpus_per_node} (hardware={cfg.hardware.name})")
+        return (
+            f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} must be <= "
+            f"hardware.gpus_per_node={cfg.hardware.gpus_per_node} (hardware={cfg.hardware.name})"
+        )
 
 
 @rule(Basis.RUNTIME)
-def te_needs_gpu(cfg: RunConfig) -> Optional[str]:
+def te_needs_gpu(cfg: RunConfig) -> str | None:
     if cfg.hardware.device == "cpu" and cfg.train.transformer_impl == "transformer_engine":
         return "train.transformer_impl=transformer_engine needs GPU hardware, not hardware=cpu"
 
 
 @rule(Basis.RUNTIME)
-def cuda_graphs_need_gpu(cfg: RunConfig) -> Optional[str]:
+def cuda_graphs_need_gpu(cfg: RunConfig) -> str | None:
     if cfg.hardware.device == "cpu" and cfg.cuda_graph.impl != "none":
         return f"cuda_graph.impl={cfg.cuda_graph.impl} needs GPU hardware, not hardware=cpu"
 
 
 @rule(Basis.RUNTIME)
-def fusions_need_gpu(cfg: RunConfig) -> Optional[str]:
+def fusions_need_gpu(cfg: RunConfig) -> str | None:
     if cfg.hardware.device == "cpu":
         on = [name for name in cfg.fusions.GPU_ONLY if getattr(cfg.fusions, name)]
         if on:
@@ -157,157 +163,198 @@ def fusions_need_gpu(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(Basis.IGNORED)
-def allocator_setting_needs_gpu(cfg: RunConfig) -> Optional[str]:
+def allocator_setting_needs_gpu(cfg: RunConfig) -> str | None:
     if cfg.hardware.device == "cpu" and cfg.train.expandable_segments:
-        return ("train.expandable_segments=true configures the CUDA caching allocator; it needs GPU hardware, "
-                "not hardware=cpu")
+        return (
+            "train.expandable_segments=true configures the CUDA caching allocator; it needs GPU hardware, "
+            "not hardware=cpu"
+        )
 
 
 # --- layout ------------------------------------------------------------------------------------------------
 
+
 @rule(Basis.MEGATRON, f"{PS}: world_size % (tensor * pipeline * context parallel size) == 0")
-def dense_layout_divides_world(cfg: RunConfig) -> Optional[str]:
+def dense_layout_divides_world(cfg: RunConfig) -> str | None:
     p = cfg.parallel
     if _world(cfg) % (p.tp * p.pp * p.cp):
-        return (f"parallel.tp*pp*cp={p.tp}*{p.pp}*{p.cp}={p.tp * p.pp * p.cp} must divide the world size "
-                f"{_world(cfg)} (launcher.nproc_per_node * launcher.nnodes)")
+        return (
+            f"parallel.tp*pp*cp={p.tp}*{p.pp}*{p.cp}={p.tp * p.pp * p.cp} must divide the world size "
+            f"{_world(cfg)} (launcher.nproc_per_node * launcher.nnodes)"
+        )
 
 
 @rule(Basis.MEGATRON, f"{PS}: world_size % (expert tensor * expert * pipeline parallel size) == 0")
-def expert_layout_divides_world(cfg: RunConfig) -> Optional[str]:
+def expert_layout_divides_world(cfg: RunConfig) -> str | None:
     p = cfg.parallel
     if _world(cfg) % (p.etp * p.ep * p.pp):
-        return (f"parallel.etp*ep*pp={p.etp}*{p.ep}*{p.pp}={p.etp * p.ep * p.pp} must divide the world size "
-                f"{_world(cfg)}")
+        return (
+            f"parallel.etp*ep*pp={p.etp}*{p.ep}*{p.pp}={p.etp * p.ep * p.pp} must divide the world size {_world(cfg)}"
+        )
 
 
 @rule(Basis.MEGATRON, f"{TC}: num_attention_heads % tensor_model_parallel_size == 0")
-def tp_divides_heads(cfg: RunConfig) -> Optional[str]:
+def tp_divides_heads(cfg: RunConfig) -> str | None:
     d = cfg.model.decoder
     if d.num_attention_heads % cfg.parallel.tp:
         return f"parallel.tp={cfg.parallel.tp} must divide model.decoder.num_attention_heads={d.num_attention_heads}"
 
 
-@rule(Basis.MEGATRON, f"{TC}: num_query_groups % tensor_model_parallel_size == 0 or "
-                      "tensor_model_parallel_size % num_query_groups == 0")
-def tp_and_query_groups_divide(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MEGATRON,
+    f"{TC}: num_query_groups % tensor_model_parallel_size == 0 or tensor_model_parallel_size % num_query_groups == 0",
+)
+def tp_and_query_groups_divide(cfg: RunConfig) -> str | None:
     """With fewer KV groups than TP ranks megatron-core replicates each KV head over tp / groups ranks."""
     d, tp = cfg.model.decoder, cfg.parallel.tp
     if d.num_query_groups % tp and tp % d.num_query_groups:
-        return (f"parallel.tp={tp} must be a multiple or a divisor of "
-                f"model.decoder.num_query_groups={d.num_query_groups}")
+        return (
+            f"parallel.tp={tp} must be a multiple or a divisor of model.decoder.num_query_groups={d.num_query_groups}"
+        )
 
 
-@rule(Basis.MODEL_BUILD, "megatron/core/tensor_parallel/layers.py: ColumnParallelLinear, "
-                         "divide(output_size, world_size) for linear_qkv")
-def tp_divides_fused_qkv(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MODEL_BUILD,
+    "megatron/core/tensor_parallel/layers.py: ColumnParallelLinear, divide(output_size, world_size) for linear_qkv",
+)
+def tp_divides_fused_qkv(cfg: RunConfig) -> str | None:
     """The fused QKV projection is one column-parallel linear of head_dim * (heads + 2 groups) outputs; with as
     many groups as TP ranks or more the head rules already divide it, with fewer they may not."""
     d, tp = cfg.model.decoder, cfg.parallel.tp
     width = d.head_dim * (d.num_attention_heads + 2 * d.num_query_groups)
     if d.num_query_groups < tp and width % tp:
-        return (f"parallel.tp={tp} must divide the fused QKV width {width} (model.decoder head_dim {d.head_dim} x "
-                f"(num_attention_heads {d.num_attention_heads} + 2 x num_query_groups {d.num_query_groups}))")
+        return (
+            f"parallel.tp={tp} must divide the fused QKV width {width} (model.decoder head_dim {d.head_dim} x "
+            f"(num_attention_heads {d.num_attention_heads} + 2 x num_query_groups {d.num_query_groups}))"
+        )
 
 
 @rule(Basis.MEGATRON, f"{TC}: num_attention_heads % tensor_model_parallel_size == 0, vision config")
-def tp_divides_vision_heads(cfg: RunConfig) -> Optional[str]:
+def tp_divides_vision_heads(cfg: RunConfig) -> str | None:
     v = cfg.model.vision
     if v.num_attention_heads % cfg.parallel.tp:
-        return (f"parallel.tp={cfg.parallel.tp} must divide model.vision.num_attention_heads={v.num_attention_heads} "
-                "(the ViT runs with the decoder's TP)")
+        return (
+            f"parallel.tp={cfg.parallel.tp} must divide model.vision.num_attention_heads={v.num_attention_heads} "
+            "(the ViT runs with the decoder's TP)"
+        )
 
 
-@rule(Basis.MEGATRON, "megatron/core/transformer/transformer_block.py: get_num_layers_to_build, num_layers % "
-                      "pipeline_model_parallel_size == 0 and layers per rank % vp_size == 0")
-def pp_divides_layers(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MEGATRON,
+    "megatron/core/transformer/transformer_block.py: get_num_layers_to_build, num_layers % "
+    "pipeline_model_parallel_size == 0 and layers per rank % vp_size == 0",
+)
+def pp_divides_layers(cfg: RunConfig) -> str | None:
     p, layers = cfg.parallel, cfg.model.decoder.num_layers
     if layers % (p.pp * p.vpp):
-        return (f"parallel.pp*vpp={p.pp}*{p.vpp} must divide model.decoder.num_layers={layers} "
-                "(every pipeline chunk holds the same number of layers)")
+        return (
+            f"parallel.pp*vpp={p.pp}*{p.vpp} must divide model.decoder.num_layers={layers} "
+            "(every pipeline chunk holds the same number of layers)"
+        )
 
 
 @rule(Basis.MEGATRON, f"{PS}: pipeline-model-parallel size should be greater than 1 with interleaved schedule")
-def vpp_needs_pp(cfg: RunConfig) -> Optional[str]:
+def vpp_needs_pp(cfg: RunConfig) -> str | None:
     if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
         return f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp > 1 (interleaving splits pipeline stages)"
 
 
 @rule(Basis.MODEL_BUILD, "megatron/core/transformer/moe/moe_layer.py: num_moe_experts % ep_size == 0")
-def ep_divides_experts(cfg: RunConfig) -> Optional[str]:
+def ep_divides_experts(cfg: RunConfig) -> str | None:
     if cfg.model.decoder.num_experts % cfg.parallel.ep:
         return f"parallel.ep={cfg.parallel.ep} must divide model.decoder.num_experts={cfg.model.decoder.num_experts}"
 
 
-@rule(Basis.MODEL_BUILD, "megatron/core/tensor_parallel/layers.py: the experts' ColumnParallelLinear, "
-                         "divide(moe_ffn_hidden_size, expert tensor parallel size)")
-def etp_divides_expert_ffn(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MODEL_BUILD,
+    "megatron/core/tensor_parallel/layers.py: the experts' ColumnParallelLinear, "
+    "divide(moe_ffn_hidden_size, expert tensor parallel size)",
+)
+def etp_divides_expert_ffn(cfg: RunConfig) -> str | None:
     d = cfg.model.decoder
     if d.moe_ffn_hidden_size % cfg.parallel.etp:
-        return (f"parallel.etp={cfg.parallel.etp} must divide "
-                f"model.decoder.moe_ffn_hidden_size={d.moe_ffn_hidden_size}")
+        return f"parallel.etp={cfg.parallel.etp} must divide model.decoder.moe_ffn_hidden_size={d.moe_ffn_hidden_size}"
 
 
-@rule(Basis.MEGATRON, "megatron/core/model_parallel_config.py: Cannot use sequence parallelism without tensor "
-                      "parallelism")
-def sp_needs_tp(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MEGATRON, "megatron/core/model_parallel_config.py: Cannot use sequence parallelism without tensor parallelism"
+)
+def sp_needs_tp(cfg: RunConfig) -> str | None:
     if cfg.parallel.sp and cfg.parallel.tp == 1:
         return "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the TP group)"
 
 
-@rule(Basis.RUNTIME, "megatron/core/transformer/moe/moe_layer.py: forward raises when training with a TP group > 1 "
-                     "and not sequence_parallel")
-def moe_with_tp_needs_sp(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.RUNTIME,
+    "megatron/core/transformer/moe/moe_layer.py: forward raises when training with a TP group > 1 "
+    "and not sequence_parallel",
+)
+def moe_with_tp_needs_sp(cfg: RunConfig) -> str | None:
     if cfg.parallel.tp > 1 and not cfg.parallel.sp:
-        return (f"parallel.tp={cfg.parallel.tp} with MoE layers needs parallel.sp=true "
-                "(megatron-core's MoE layer raises during training otherwise)")
+        return (
+            f"parallel.tp={cfg.parallel.tp} with MoE layers needs parallel.sp=true "
+            "(megatron-core's MoE layer raises during training otherwise)"
+        )
 
 
-@rule(Basis.MODEL_BUILD, f"{LLAVA}: under SP or CP, language_transformer_layer_spec.submodules must be "
-                         "TransformerLayerSubmodules")
-def sp_needs_uniform_layers(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MODEL_BUILD,
+    f"{LLAVA}: under SP or CP, language_transformer_layer_spec.submodules must be TransformerLayerSubmodules",
+)
+def sp_needs_uniform_layers(cfg: RunConfig) -> str | None:
     freq = cfg.model.decoder.moe_layer_freq
     if (cfg.parallel.sp or cfg.parallel.cp > 1) and freq > 1:
-        return (f"model.decoder.moe_layer_freq={freq} with parallel.sp/cp: megatron-core's LLaVA checks a single "
-                "layer spec under sequence or context parallelism, and mixed dense/MoE layers need a block spec")
+        return (
+            f"model.decoder.moe_layer_freq={freq} with parallel.sp/cp: megatron-core's LLaVA checks a single "
+            "layer spec under sequence or context parallelism, and mixed dense/MoE layers need a block spec"
+        )
 
 
 @rule(Basis.MODEL_BUILD, f"{LLAVA}: Sequence/Context Parallelism is supported only with TE DotProductAttention")
-def cp_needs_te(cfg: RunConfig) -> Optional[str]:
+def cp_needs_te(cfg: RunConfig) -> str | None:
     """LLaVA pads the decoder sequence to a multiple of 2*cp itself (``plan/layout.py``), so any length splits;
     what CP needs is TE's attention."""
     if cfg.parallel.cp > 1 and not _uses_te(cfg):
-        return (f"parallel.cp={cfg.parallel.cp} needs Transformer Engine attention "
-                "(megatron-core's local DotProductAttention supports cp=1 only)")
+        return (
+            f"parallel.cp={cfg.parallel.cp} needs Transformer Engine attention "
+            "(megatron-core's local DotProductAttention supports cp=1 only)"
+        )
 
 
 @rule(Basis.MODEL_BUILD, f"{LLAVA}: Sequence/Context Parallelism is supported only with TE DotProductAttention")
-def sp_on_gpu_needs_te(cfg: RunConfig) -> Optional[str]:
+def sp_on_gpu_needs_te(cfg: RunConfig) -> str | None:
     """On the CPU the worker lifts LLaVA's assert (``train/cpu_compat.py``, patch 11: the sequence is padded to a
     multiple of TP, so the local causal attention is exact); on a GPU megatron-core's assert stands."""
     if cfg.parallel.sp and cfg.hardware.device == "cuda" and not _uses_te(cfg):
-        return ("parallel.sp=true on GPU hardware needs train.transformer_impl=transformer_engine: LLaVA "
-                "supports sequence parallelism only with TE attention")
+        return (
+            "parallel.sp=true on GPU hardware needs train.transformer_impl=transformer_engine: LLaVA "
+            "supports sequence parallelism only with TE attention"
+        )
 
 
 @rule(Basis.RUNTIME)
-def fsdp_has_no_pipeline(cfg: RunConfig) -> Optional[str]:
+def fsdp_has_no_pipeline(cfg: RunConfig) -> str | None:
     if cfg.parallel.strategy == "fsdp" and cfg.parallel.pp > 1:
         return f"parallel.pp={cfg.parallel.pp} with parallel=fsdp: Megatron-FSDP does not pipeline; use parallel=3d"
 
 
-@rule(Basis.MEGATRON, "megatron/core/num_microbatches_calculator.py: global_batch_size % (micro_batch_size * "
-                      "data_parallel_size) == 0")
-def gbs_divisible_by_mbs_dp(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MEGATRON,
+    "megatron/core/num_microbatches_calculator.py: global_batch_size % (micro_batch_size * data_parallel_size) == 0",
+)
+def gbs_divisible_by_mbs_dp(cfg: RunConfig) -> str | None:
     b, dp = cfg.batch, _dp(cfg)
     if dp >= 1 and b.gbs % (b.mbs * dp):
         return f"batch.gbs={b.gbs} must be divisible by batch.mbs*dp={b.mbs}*{dp}={b.mbs * dp}"
 
 
-@rule(Basis.MEGATRON, "megatron/core/pipeline_parallel/schedules.py: forward_backward_pipelining_with_interleaving, "
-                      "microbatch_group_size_per_vp_stage (= pp) <= num_microbatches and num_microbatches % it "
-                      "not in (0, pp)")
-def interleaving_needs_whole_microbatch_groups(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MEGATRON,
+    "megatron/core/pipeline_parallel/schedules.py: forward_backward_pipelining_with_interleaving, "
+    "microbatch_group_size_per_vp_stage (= pp) <= num_microbatches and num_microbatches % it "
+    "not in (0, pp)",
+)
+def interleaving_needs_whole_microbatch_groups(cfg: RunConfig) -> str | None:
     """The interleaved schedule runs micro-batches in groups of pp per model chunk, and raises at the first step
     if there are fewer than pp or the last group is short."""
     b, p, dp = cfg.batch, cfg.parallel, _dp(cfg)
@@ -315,26 +362,32 @@ def interleaving_needs_whole_microbatch_groups(cfg: RunConfig) -> Optional[str]:
         return None
     microbatches = b.gbs // (b.mbs * dp)
     if microbatches < p.pp or microbatches % p.pp:
-        return (f"parallel.vpp={p.vpp} interleaves the pipeline, which needs the micro-batches per step "
-                f"(batch.gbs / (batch.mbs * dp) = {b.gbs} / ({b.mbs} * {dp}) = {microbatches}) to be a multiple "
-                f"of parallel.pp={p.pp}")
+        return (
+            f"parallel.vpp={p.vpp} interleaves the pipeline, which needs the micro-batches per step "
+            f"(batch.gbs / (batch.mbs * dp) = {b.gbs} / ({b.mbs} * {dp}) = {microbatches}) to be a multiple "
+            f"of parallel.pp={p.pp}"
+        )
 
 
 # --- model shape -------------------------------------------------------------------------------------------
 
+
 @rule(Basis.MODEL_BUILD, f"{LLAVA}: pixel_shuffle, h*w must equal the patches")
-def spatial_merge_needs_even_grid(cfg: RunConfig) -> Optional[str]:
+def spatial_merge_needs_even_grid(cfg: RunConfig) -> str | None:
     v = cfg.model.vision
     grid = v.image_size // v.patch_size
     if v.spatial_merge > 1 and grid % v.spatial_merge:
-        return (f"model.vision.spatial_merge={v.spatial_merge} must divide the patch grid side {grid} "
-                f"(model.vision.image_size / model.vision.patch_size)")
+        return (
+            f"model.vision.spatial_merge={v.spatial_merge} must divide the patch grid side {grid} "
+            f"(model.vision.image_size / model.vision.patch_size)"
+        )
 
 
 # --- recompute ---------------------------------------------------------------------------------------------
 
+
 @rule(Basis.IGNORED)
-def selective_needs_modules(cfg: RunConfig) -> Optional[str]:
+def selective_needs_modules(cfg: RunConfig) -> str | None:
     r = cfg.recompute
     if r.granularity == "selective" and not r.modules:
         return "recompute.modules=[] with recompute=selective: name at least one module (e.g. core_attn)"
@@ -342,15 +395,15 @@ def selective_needs_modules(cfg: RunConfig) -> Optional[str]:
         return f"recompute.modules={r.modules} applies to recompute=selective only, not {r.granularity}"
 
 
-@rule(Basis.MEGATRON, f"{TC}: recompute_method must be \"block\" or \"uniform\" with recompute_granularity full")
-def full_recompute_needs_method(cfg: RunConfig) -> Optional[str]:
+@rule(Basis.MEGATRON, f'{TC}: recompute_method must be "block" or "uniform" with recompute_granularity full')
+def full_recompute_needs_method(cfg: RunConfig) -> str | None:
     r = cfg.recompute
     if r.granularity == "full" and r.method is None:
         return "recompute=full needs recompute.method (uniform|block)"
 
 
 @rule(Basis.IGNORED)
-def full_recompute_fields(cfg: RunConfig) -> Optional[str]:
+def full_recompute_fields(cfg: RunConfig) -> str | None:
     """The plan-to-config mapping passes recompute.method/num_layers for recompute=full only, and would default a
     missing num_layers."""
     r = cfg.recompute
@@ -361,62 +414,70 @@ def full_recompute_fields(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(Basis.IGNORED)
-def recompute_layers_fit_stage(cfg: RunConfig) -> Optional[str]:
+def recompute_layers_fit_stage(cfg: RunConfig) -> str | None:
     r, p = cfg.recompute, cfg.parallel
     per_chunk = cfg.model.decoder.num_layers // (p.pp * p.vpp)
     if r.granularity == "full" and r.num_layers is not None and r.num_layers > per_chunk:
-        return (f"recompute.num_layers={r.num_layers} must be <= the {per_chunk} decoder layers of one pipeline "
-                "chunk")
+        return f"recompute.num_layers={r.num_layers} must be <= the {per_chunk} decoder layers of one pipeline chunk"
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_act in recompute_modules is only supported with moe_grouped_gemm")
-def moe_act_recompute_needs_te(cfg: RunConfig) -> Optional[str]:
+def moe_act_recompute_needs_te(cfg: RunConfig) -> str | None:
     if "moe_act" in cfg.recompute.modules and not _uses_te(cfg):
-        return ("recompute.modules contains moe_act, which needs TE grouped GEMM "
-                "(train.transformer_impl=transformer_engine)")
+        return (
+            "recompute.modules contains moe_act, which needs TE grouped GEMM "
+            "(train.transformer_impl=transformer_engine)"
+        )
 
 
 @rule(Basis.IGNORED)
-def mla_recompute_needs_mla(cfg: RunConfig) -> Optional[str]:
+def mla_recompute_needs_mla(cfg: RunConfig) -> str | None:
     if "mla_up_proj" in cfg.recompute.modules:
         return "recompute.modules contains mla_up_proj, which needs multi-latent attention; these models use GQA"
 
 
 @rule(Basis.IGNORED)
-def mlp_recompute_needs_dense_layers(cfg: RunConfig) -> Optional[str]:
+def mlp_recompute_needs_dense_layers(cfg: RunConfig) -> str | None:
     if "mlp" in cfg.recompute.modules and _all_layers_moe(cfg):
-        return ("recompute.modules contains mlp, which recomputes dense MLPs; every layer is MoE "
-                "(model.decoder.moe_layer_freq=1): use moe or moe_act")
+        return (
+            "recompute.modules contains mlp, which recomputes dense MLPs; every layer is MoE "
+            "(model.decoder.moe_layer_freq=1): use moe or moe_act"
+        )
 
 
 @rule(Basis.IGNORED)
-def shared_expert_recompute_needs_shared_experts(cfg: RunConfig) -> Optional[str]:
+def shared_expert_recompute_needs_shared_experts(cfg: RunConfig) -> str | None:
     if "shared_experts" in cfg.recompute.modules and not cfg.model.decoder.moe_shared_expert_intermediate_size:
-        return ("recompute.modules contains shared_experts, but "
-                "model.decoder.moe_shared_expert_intermediate_size is not set")
+        return (
+            "recompute.modules contains shared_experts, but "
+            "model.decoder.moe_shared_expert_intermediate_size is not set"
+        )
 
 
 # --- CUDA graphs -------------------------------------------------------------------------------------------
 
+
 @rule(Basis.IGNORED)
-def graph_modules_need_impl(cfg: RunConfig) -> Optional[str]:
+def graph_modules_need_impl(cfg: RunConfig) -> str | None:
     g = cfg.cuda_graph
     if g.impl == "none" and g.modules:
         return f"cuda_graph.modules={g.modules} needs cuda_graph.impl local or transformer_engine, not none"
 
 
-@rule(Basis.MEGATRON, f"{TC}: cuda_graph_modules must be empty when cuda_graph_impl=\"full_iteration\"")
-def full_iteration_takes_no_modules(cfg: RunConfig) -> Optional[str]:
+@rule(Basis.MEGATRON, f'{TC}: cuda_graph_modules must be empty when cuda_graph_impl="full_iteration"')
+def full_iteration_takes_no_modules(cfg: RunConfig) -> str | None:
     g = cfg.cuda_graph
     if g.impl == "full_iteration" and g.modules:
         return f"cuda_graph.modules={g.modules} must be empty with cuda_graph.impl=full_iteration"
 
 
 @rule(Basis.RUNTIME)
-def full_iteration_cannot_capture_llava(cfg: RunConfig) -> Optional[str]:
+def full_iteration_cannot_capture_llava(cfg: RunConfig) -> str | None:
     if cfg.cuda_graph.impl == "full_iteration":
-        return ("cuda_graph.impl=full_iteration cannot capture LLaVAModel: its _preprocess_data calls .tolist() "
-                "(a host sync) inside the step; use cuda_graph=attn or a layer scope")
+        return (
+            "cuda_graph.impl=full_iteration cannot capture LLaVAModel: its _preprocess_data calls .tolist() "
+            "(a host sync) inside the step; use cuda_graph=attn or a layer scope"
+        )
 
 
 def _graphed_modules(cfg: RunConfig) -> set[str]:
@@ -431,121 +492,154 @@ def _graphed_modules(cfg: RunConfig) -> set[str]:
     return modules
 
 
-@rule(Basis.MEGATRON, f"{TC}: cuda_graph_modules must not contain both moe and moe_router (the local impl adds "
-                      "moe_router to moe_preprocess)")
-def graph_moe_scopes_exclusive(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MEGATRON,
+    f"{TC}: cuda_graph_modules must not contain both moe and moe_router (the local impl adds "
+    "moe_router to moe_preprocess)",
+)
+def graph_moe_scopes_exclusive(cfg: RunConfig) -> str | None:
     if {"moe", "moe_router"} <= _graphed_modules(cfg):
-        also = (" (cuda_graph.impl=local graphs moe_preprocess with moe_router)"
-                if "moe_router" not in cfg.cuda_graph.modules else "")
-        return (f"cuda_graph.modules contains both moe and moe_router{also}; they are exclusive (moe graphs the "
-                "router too)")
+        also = (
+            " (cuda_graph.impl=local graphs moe_preprocess with moe_router)"
+            if "moe_router" not in cfg.cuda_graph.modules
+            else ""
+        )
+        return (
+            f"cuda_graph.modules contains both moe and moe_router{also}; they are exclusive (moe graphs the router too)"
+        )
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_preprocess cuda graph is only supported with moe_router cuda graph")
-def graph_preprocess_needs_router(cfg: RunConfig) -> Optional[str]:
+def graph_preprocess_needs_router(cfg: RunConfig) -> str | None:
     if "moe_preprocess" in _graphed_modules(cfg) and "moe_router" not in _graphed_modules(cfg):
         return "cuda_graph.modules contains moe_preprocess, which needs moe_router as well"
 
 
 @rule(Basis.MEGATRON, f"{TC}: mlp cuda graph is only supported for dense layers")
-def graph_mlp_needs_dense_layers(cfg: RunConfig) -> Optional[str]:
+def graph_mlp_needs_dense_layers(cfg: RunConfig) -> str | None:
     if "mlp" in _graphed_modules(cfg) and _all_layers_moe(cfg):
         return "cuda_graph.modules contains mlp, but every layer is MoE (model.decoder.moe_layer_freq=1): use moe"
 
 
 @rule(Basis.IGNORED)
-def graph_mamba_needs_mamba(cfg: RunConfig) -> Optional[str]:
+def graph_mamba_needs_mamba(cfg: RunConfig) -> str | None:
     if "mamba" in cfg.cuda_graph.modules:
         return "cuda_graph.modules contains mamba, but these decoders have no Mamba layers"
 
 
 def _pad_fix(cfg: RunConfig) -> str:
-    return ("dispatcher=flex_deepep cannot pad: use dispatcher=alltoall or allgather with " if _deepep(cfg)
-            else "set ")
+    return "dispatcher=flex_deepep cannot pad: use dispatcher=alltoall or allgather with " if _deepep(cfg) else "set "
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe cuda graph is only supported with drop-padding MoE")
-def graph_moe_needs_drop_and_pad(cfg: RunConfig) -> Optional[str]:
+def graph_moe_needs_drop_and_pad(cfg: RunConfig) -> str | None:
     if "moe" in _graphed_modules(cfg) and not _drop_and_pad(cfg):
-        return (f"cuda_graph.modules contains moe, which needs drop-and-pad (static shapes): {_pad_fix(cfg)}"
-                "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
+        return (
+            f"cuda_graph.modules contains moe, which needs drop-and-pad (static shapes): {_pad_fix(cfg)}"
+            "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true"
+        )
 
 
 @rule(Basis.RUNTIME)
-def whole_layer_graphs_need_drop_and_pad(cfg: RunConfig) -> Optional[str]:
+def whole_layer_graphs_need_drop_and_pad(cfg: RunConfig) -> str | None:
     """megatron-core's config check looks at the moe scope only; a TE graph of whole layers captures the experts
     and the dispatcher too, whose dropless token counts change every step."""
     g = cfg.cuda_graph
     if g.impl == "transformer_engine" and not g.modules and not _drop_and_pad(cfg):
-        return ("cuda_graph.modules is empty (whole layers, experts included), which needs drop-and-pad (static "
-                f"shapes): {_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
+        return (
+            "cuda_graph.modules is empty (whole layers, experts included), which needs drop-and-pad (static "
+            f"shapes): {_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true"
+        )
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_preprocess cuda graph with alltoall and a capacity factor but no padding")
-def graph_preprocess_vs_alltoall_capacity(cfg: RunConfig) -> Optional[str]:
+def graph_preprocess_vs_alltoall_capacity(cfg: RunConfig) -> str | None:
     d = cfg.dispatcher
-    if ("moe_preprocess" in _graphed_modules(cfg) and d.token_dispatcher == "alltoall"
-            and d.capacity_factor is not None and not d.pad_to_capacity):
-        return (f"cuda_graph.modules contains moe_preprocess, which megatron-core rejects for dispatcher=alltoall "
-                f"with dispatcher.capacity_factor={d.capacity_factor} unless dispatcher.pad_to_capacity=true "
-                "(dropping without padding syncs the host in the preprocess step)")
+    if (
+        "moe_preprocess" in _graphed_modules(cfg)
+        and d.token_dispatcher == "alltoall"
+        and d.capacity_factor is not None
+        and not d.pad_to_capacity
+    ):
+        return (
+            f"cuda_graph.modules contains moe_preprocess, which megatron-core rejects for dispatcher=alltoall "
+            f"with dispatcher.capacity_factor={d.capacity_factor} unless dispatcher.pad_to_capacity=true "
+            "(dropping without padding syncs the host in the preprocess step)"
+        )
 
 
 @rule(Basis.RUNTIME)
-def local_graphs_need_drop_and_pad(cfg: RunConfig) -> Optional[str]:
+def local_graphs_need_drop_and_pad(cfg: RunConfig) -> str | None:
     if cfg.cuda_graph.impl == "local" and not _drop_and_pad(cfg):
-        return ("cuda_graph.impl=local cannot capture dropless MoE (cudaErrorCapturedEvent in the dispatcher): "
-                f"{_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true")
+        return (
+            "cuda_graph.impl=local cannot capture dropless MoE (cudaErrorCapturedEvent in the dispatcher): "
+            f"{_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true"
+        )
 
 
 @rule(Basis.MEGATRON, f"{TC}: full recompute is only supported with full iteration CUDA graph")
-def full_recompute_only_with_full_iteration(cfg: RunConfig) -> Optional[str]:
+def full_recompute_only_with_full_iteration(cfg: RunConfig) -> str | None:
     if cfg.recompute.granularity == "full" and cfg.cuda_graph.impl in ("local", "transformer_engine"):
-        return (f"recompute=full with cuda_graph.impl={cfg.cuda_graph.impl}: megatron-core allows full recompute "
-                "only with full_iteration graphs; use recompute=selective or cuda_graph=none")
+        return (
+            f"recompute=full with cuda_graph.impl={cfg.cuda_graph.impl}: megatron-core allows full recompute "
+            "only with full_iteration graphs; use recompute=selective or cuda_graph=none"
+        )
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe recompute is not supported with moe_router CUDA graph with transformer_engine")
-def moe_recompute_excludes_router_graph(cfg: RunConfig) -> Optional[str]:
-    if (cfg.cuda_graph.impl == "transformer_engine" and "moe" in cfg.recompute.modules
-            and "moe_router" in cfg.cuda_graph.modules):
-        return ("recompute.modules contains moe while cuda_graph.modules contains moe_router: a recomputed MoE "
-                "block cannot hold a TE-graphed router")
+def moe_recompute_excludes_router_graph(cfg: RunConfig) -> str | None:
+    if (
+        cfg.cuda_graph.impl == "transformer_engine"
+        and "moe" in cfg.recompute.modules
+        and "moe_router" in cfg.cuda_graph.modules
+    ):
+        return (
+            "recompute.modules contains moe while cuda_graph.modules contains moe_router: a recomputed MoE "
+            "block cannot hold a TE-graphed router"
+        )
 
 
 @rule(Basis.RUNTIME)
-def graph_warmup_within_warmup(cfg: RunConfig) -> Optional[str]:
+def graph_warmup_within_warmup(cfg: RunConfig) -> str | None:
     g, t = cfg.cuda_graph, cfg.train
     if g.impl == "transformer_engine" and g.warmup_steps >= t.warmup_steps:
-        return (f"cuda_graph.warmup_steps={g.warmup_steps} must be < train.warmup_steps={t.warmup_steps}: TE "
-                "graphs are captured after cuda_graph.warmup_steps eager steps, and at least one graphed warmup "
-                "step must follow before the timed steps")
+        return (
+            f"cuda_graph.warmup_steps={g.warmup_steps} must be < train.warmup_steps={t.warmup_steps}: TE "
+            "graphs are captured after cuda_graph.warmup_steps eager steps, and at least one graphed warmup "
+            "step must follow before the timed steps"
+        )
 
 
 @rule(Basis.IGNORED)
-def trace_needs_profile_steps(cfg: RunConfig) -> Optional[str]:
+def trace_needs_profile_steps(cfg: RunConfig) -> str | None:
     if cfg.train.trace and cfg.train.profile_steps == 0:
         return "train.trace=true traces the profile steps, but train.profile_steps=0: set it to 1 or more"
 
 
 @rule(Basis.RUNTIME)
-def layer_graphs_vs_fsdp(cfg: RunConfig) -> Optional[str]:
+def layer_graphs_vs_fsdp(cfg: RunConfig) -> str | None:
     impl, p = cfg.cuda_graph.impl, cfg.parallel
     if p.strategy != "fsdp":
         return None
     if impl == "transformer_engine":
-        return ("cuda_graph.impl=transformer_engine with parallel=fsdp: TE make_graphed_callables refuses modules "
-                "with hooks, and Megatron-FSDP registers them on every layer (seen on the H200); use parallel=3d")
+        return (
+            "cuda_graph.impl=transformer_engine with parallel=fsdp: TE make_graphed_callables refuses modules "
+            "with hooks, and Megatron-FSDP registers them on every layer (seen on the H200); use parallel=3d"
+        )
     if impl == "local" and p.fsdp_sharding == "optim_grads_params":
-        return ("cuda_graph.impl=local with parallel.fsdp_sharding=optim_grads_params: Megatron-FSDP gathers each "
-                "layer's parameters in forward hooks that a graph replay skips; use parallel=3d")
+        return (
+            "cuda_graph.impl=local with parallel.fsdp_sharding=optim_grads_params: Megatron-FSDP gathers each "
+            "layer's parameters in forward hooks that a graph replay skips; use parallel=3d"
+        )
 
 
 @rule(Basis.RUNTIME)
-def te_graphs_need_te_specs(cfg: RunConfig) -> Optional[str]:
+def te_graphs_need_te_specs(cfg: RunConfig) -> str | None:
     if cfg.cuda_graph.impl == "transformer_engine" and cfg.hardware.device == "cuda" and not _uses_te(cfg):
-        return ("cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
-                "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)")
+        return (
+            "cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
+            "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)"
+        )
 
 
 def _cudnn(version: int) -> str:
@@ -558,7 +652,7 @@ CUDNN_GRAPHED_ATTENTION_FIX = 91501
 CUDA-graph capture whatever the sequence length (``nvte_get_fused_attn_backend``, TE 2.20)."""
 
 
-def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> Optional[str]:
+def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> str | None:
     """Not a registered rule: the worker's preflight passes the runtime cuDNN and whether flash-attn is installed.
     With cuDNN <= 9.15.0, TE refuses fused attention while a graph is captured unless every (SBHD, non-padding) KV
     length it checks is a multiple of 128. Without CP it then silently runs unfused attention: on the H200 0.47-0.63x
@@ -569,8 +663,13 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
     g, cp, seq = cfg.cuda_graph, cfg.parallel.cp, sharded_seq_length(cfg)
     graphs_attention = g.impl in ("local", "transformer_engine") and (not g.modules or "attn" in g.modules)
     multiple = 128 if cp == 1 else 256 * cp
-    if (not graphs_attention or not _uses_te(cfg) or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX
-            or seq % multiple == 0 or (cp == 1 and flash_attn)):
+    if (
+        not graphs_attention
+        or not _uses_te(cfg)
+        or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX
+        or seq % multiple == 0
+        or (cp == 1 and flash_attn)
+    ):
         return None
     factor = seq_padding_factor(cfg)
     step = math.lcm(multiple, factor)
@@ -578,37 +677,46 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
     text_tokens = cfg.model.text_tokens + max(0, fixed - factor + 1 - cfg.model.seq_length)
     version = _cudnn(cudnn_version)
     if cp == 1:
-        lengths = f"{seq} decoder tokens" + (f", {cfg.model.seq_length} padded for SP" if seq != cfg.model.seq_length
-                                              else "")
+        lengths = f"{seq} decoder tokens" + (
+            f", {cfg.model.seq_length} padded for SP" if seq != cfg.model.seq_length else ""
+        )
         effect = "runs unfused attention instead (about half the eager speed, twice the memory)"
     else:
-        lengths, effect = (f"parallel.cp={cp} ring chunks of {seq} decoder tokens, down to {seq / (2 * cp):g}",
-                           "has no other attention backend under context parallelism, so the capture fails")
-    return (f"cuda_graph={g.scope} graphs decoder attention, but with cuDNN {version} (<= 9.15.0) TE refuses fused "
-            f"attention under graph capture for a KV length that is not a multiple of 128 ({lengths}) and {effect}: "
-            f"set model.text_tokens={text_tokens} ({fixed} decoder tokens{' as padded' if factor > 1 else ''}), "
-            "graph no attention "
-            "(cuda_graph=none), or upgrade cuDNN to 9.15.1+")
+        lengths, effect = (
+            f"parallel.cp={cp} ring chunks of {seq} decoder tokens, down to {seq / (2 * cp):g}",
+            "has no other attention backend under context parallelism, so the capture fails",
+        )
+    return (
+        f"cuda_graph={g.scope} graphs decoder attention, but with cuDNN {version} (<= 9.15.0) TE refuses fused "
+        f"attention under graph capture for a KV length that is not a multiple of 128 ({lengths}) and {effect}: "
+        f"set model.text_tokens={text_tokens} ({fixed} decoder tokens{' as padded' if factor > 1 else ''}), "
+        "graph no attention "
+        "(cuda_graph=none), or upgrade cuDNN to 9.15.1+"
+    )
 
 
 # --- memory ------------------------------------------------------------------------------------------------
 
+
 @rule(Basis.MEMORY)
-def fits_in_gpu_memory(cfg: RunConfig) -> Optional[str]:
+def fits_in_gpu_memory(cfg: RunConfig) -> str | None:
     if cfg.hardware.device != "cuda":
         return None
     est = estimate(cfg)
     if est.total_gib > cfg.hardware.memory_gib:
-        return (f"needs at least {est.total_gib:.1f} GiB per GPU ({est.static_gib:.1f} weights, gradients and "
-                f"optimizer states + {est.activations_gib:.1f} activations; plan/memory.py), more than "
-                f"hardware.memory_gib={cfg.hardware.memory_gib}: shard further (parallel.tp/pp/ep, more GPUs, "
-                "parallel=fsdp), lower batch.mbs or use recompute=full")
+        return (
+            f"needs at least {est.total_gib:.1f} GiB per GPU ({est.static_gib:.1f} weights, gradients and "
+            f"optimizer states + {est.activations_gib:.1f} activations; plan/memory.py), more than "
+            f"hardware.memory_gib={cfg.hardware.memory_gib}: shard further (parallel.tp/pp/ep, more GPUs, "
+            "parallel=fsdp), lower batch.mbs or use recompute=full"
+        )
 
 
 # --- MoE dispatcher ----------------------------------------------------------------------------------------
 
+
 @rule(Basis.IGNORED)
-def flex_needs_backend(cfg: RunConfig) -> Optional[str]:
+def flex_needs_backend(cfg: RunConfig) -> str | None:
     d = cfg.dispatcher
     if d.token_dispatcher == "flex" and d.flex_backend is None:
         return "dispatcher.token_dispatcher=flex needs dispatcher.flex_backend (deepep|hybridep)"
@@ -617,14 +725,17 @@ def flex_needs_backend(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(Basis.RUNTIME)
-def flex_needs_gpu(cfg: RunConfig) -> Optional[str]:
+def flex_needs_gpu(cfg: RunConfig) -> str | None:
     if cfg.dispatcher.token_dispatcher == "flex" and cfg.hardware.device == "cpu":
         return f"dispatcher={cfg.dispatcher.name} runs DeepEP CUDA kernels; it needs GPU hardware, not hardware=cpu"
 
 
-@rule(Basis.MEGATRON, "megatron/core/transformer/moe/token_dispatcher.py: MoEFlexTokenDispatcher, DeepEP "
-                      "requires TPxEP > 1, over the expert tensor-parallel group")
-def deepep_needs_model_parallel(cfg: RunConfig) -> Optional[str]:
+@rule(
+    Basis.MEGATRON,
+    "megatron/core/transformer/moe/token_dispatcher.py: MoEFlexTokenDispatcher, DeepEP "
+    "requires TPxEP > 1, over the expert tensor-parallel group",
+)
+def deepep_needs_model_parallel(cfg: RunConfig) -> str | None:
     """DeepEP dispatches over the expert group, expert-TP x EP: the dense TP does not count."""
     p = cfg.parallel
     if _deepep(cfg) and p.etp * p.ep == 1:
@@ -632,14 +743,16 @@ def deepep_needs_model_parallel(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_pad_expert_input_to_capacity with the flex dispatcher's deepep backend")
-def deepep_cannot_pad(cfg: RunConfig) -> Optional[str]:
+def deepep_cannot_pad(cfg: RunConfig) -> str | None:
     if _deepep(cfg) and cfg.dispatcher.pad_to_capacity:
-        return ("dispatcher.pad_to_capacity=true with dispatcher=flex_deepep: DeepEP does not pad expert inputs to "
-                "capacity; use dispatcher=alltoall or allgather for drop-and-pad")
+        return (
+            "dispatcher.pad_to_capacity=true with dispatcher=flex_deepep: DeepEP does not pad expert inputs to "
+            "capacity; use dispatcher=alltoall or allgather for drop-and-pad"
+        )
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity")
-def pad_needs_capacity(cfg: RunConfig) -> Optional[str]:
+def pad_needs_capacity(cfg: RunConfig) -> str | None:
     d = cfg.dispatcher
     if d.pad_to_capacity and d.capacity_factor is None:
         return "dispatcher.pad_to_capacity=true needs dispatcher.capacity_factor"
@@ -647,36 +760,48 @@ def pad_needs_capacity(cfg: RunConfig) -> Optional[str]:
 
 # --- packed sequences --------------------------------------------------------------------------------------
 
+
 @rule(Basis.RUNTIME)
-def packing_excludes_cuda_graphs(cfg: RunConfig) -> Optional[str]:
+def packing_excludes_cuda_graphs(cfg: RunConfig) -> str | None:
     if cfg.data.packing and cfg.cuda_graph.impl != "none":
-        return (f"data.packing=true with cuda_graph={cfg.cuda_graph.scope}: a graph replays the shapes it "
-                "captured, and a packed micro-batch's length is its samples' real tokens, new every micro-batch")
+        return (
+            f"data.packing=true with cuda_graph={cfg.cuda_graph.scope}: a graph replays the shapes it "
+            "captured, and a packed micro-batch's length is its samples' real tokens, new every micro-batch"
+        )
 
 
 @rule(Basis.RUNTIME)
-def packing_needs_unsharded_sequence(cfg: RunConfig) -> Optional[str]:
+def packing_needs_unsharded_sequence(cfg: RunConfig) -> str | None:
     p = cfg.parallel
     if cfg.data.packing and (p.sp or p.cp > 1):
-        return (f"data.packing=true with parallel.sp={str(p.sp).lower()} cp={p.cp}: under SP or CP LLaVA pads "
-                "the packed row back to its longest length, and CP needs per-shard padded cu_seqlens, which "
-                "this worker does not build; use tp=1 (MoE with tp > 1 needs SP) and cp=1")
+        return (
+            f"data.packing=true with parallel.sp={str(p.sp).lower()} cp={p.cp}: under SP or CP LLaVA pads "
+            "the packed row back to its longest length, and CP needs per-shard padded cu_seqlens, which "
+            "this worker does not build; use tp=1 (MoE with tp > 1 needs SP) and cp=1"
+        )
 
 
 @rule(Basis.RUNTIME)
-def packing_on_local_specs_needs_unfused_softmax(cfg: RunConfig) -> Optional[str]:
-    if (cfg.data.packing and not _uses_te(cfg)
-            and cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")["masked_softmax"]):
-        return ("data.packing=true with train.transformer_impl=local needs fusions.masked_softmax=false: the "
-                "local attention keeps samples apart with a block-causal mask, and megatron's fused causal "
-                "softmax (ScaledUpperTriangMaskedSoftmax) ignores the mask, so samples would attend to each other")
+def packing_on_local_specs_needs_unfused_softmax(cfg: RunConfig) -> str | None:
+    if (
+        cfg.data.packing
+        and not _uses_te(cfg)
+        and cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")["masked_softmax"]
+    ):
+        return (
+            "data.packing=true with train.transformer_impl=local needs fusions.masked_softmax=false: the "
+            "local attention keeps samples apart with a block-causal mask, and megatron's fused causal "
+            "softmax (ScaledUpperTriangMaskedSoftmax) ignores the mask, so samples would attend to each other"
+        )
 
 
 @rule(Basis.RUNTIME)
-def packing_needs_one_stage(cfg: RunConfig) -> Optional[str]:
+def packing_needs_one_stage(cfg: RunConfig) -> str | None:
     if cfg.data.packing and cfg.parallel.pp > 1:
-        return (f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "
-                "are shaped for seq_length x mbs, and a packed micro-batch's length changes every micro-batch")
+        return (
+            f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "
+            "are shaped for seq_length x mbs, and a packed micro-batch's length changes every micro-batch"
+        )
 
 
 CUDNN_THD = {True: 90600, False: 90100}
@@ -684,7 +809,7 @@ CUDNN_THD = {True: 90600, False: 90100}
 TE 2.20 falls back to unfused attention, which pads the row back to [mbs, max_seqlen] and scores it whole."""
 
 
-def packing_unfuses_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> Optional[str]:
+def packing_unfuses_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> str | None:
     """Not a registered rule: the worker's preflight passes the runtime cuDNN and whether flash-attn (whose varlen
     kernels take THD too) is installed. A packed run on an unfused fallback would measure the fallback, not
     packing, and may not fit: at MBS 96 the scores alone take gigabytes per layer."""
@@ -693,6 +818,8 @@ def packing_unfuses_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bo
     needed = CUDNN_THD[gqa]
     if not cfg.data.packing or not _uses_te(cfg) or flash_attn or cudnn_version >= needed:
         return None
-    return (f"data.packing=true runs THD attention, which TE's fused attention takes from cuDNN {_cudnn(needed)}"
-            f"{' with GQA' if gqa else ''}; with cuDNN {_cudnn(cudnn_version)} TE falls back to unfused attention "
-            "over the row padded back to [mbs, max_seqlen]: upgrade cuDNN, install flash-attn, or data.packing=false")
+    return (
+        f"data.packing=true runs THD attention, which TE's fused attention takes from cuDNN {_cudnn(needed)}"
+        f"{' with GQA' if gqa else ''}; with cuDNN {_cudnn(cudnn_version)} TE falls back to unfused attention "
+        "over the row padded back to [mbs, max_seqlen]: upgrade cuDNN, install flash-attn, or data.packing=false"
+    )

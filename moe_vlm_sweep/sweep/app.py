@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

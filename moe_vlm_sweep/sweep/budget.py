@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from optuna.trial import FrozenTrial
 
 
 class TimeBudget:
-    def __init__(self, seconds: Optional[float], knob: str = "sweep.time_budget_s"):
+    def __init__(self, seconds: float | None, knob: str = "sweep.time_budget_s"):
         self.deadline = None if seconds is None else time.monotonic() + seconds
         self.knob = knob
         """What set the budget, for messages."""
@@ -37,17 +37,19 @@ class TimeBudget:
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
-    def allows(self, seconds: Optional[float] = None) -> bool:
+    def allows(self, seconds: float | None = None) -> bool:
         """Whether ``seconds`` more (by default one trial as slow as the slowest so far) end within the budget."""
         return (self.slowest if seconds is None else seconds) <= self.left()
 
-    def why_not(self, what: str, seconds: Optional[float] = None, basis: Optional[str] = None) -> str:
+    def why_not(self, what: str, seconds: float | None = None, basis: str | None = None) -> str:
         need, basis = (self.slowest, "the slowest trial so far") if seconds is None else (seconds, basis)
-        return (f"{what} would need about {need:.0f} s ({basis}) and {max(self.left(), 0):.0f} s of "
-                f"{self.knob} are left; the same command resumes the study")
+        return (
+            f"{what} would need about {need:.0f} s ({basis}) and {max(self.left(), 0):.0f} s of "
+            f"{self.knob} are left; the same command resumes the study"
+        )
 
 
-def wall_seconds(trial: FrozenTrial) -> Optional[float]:
+def wall_seconds(trial: FrozenTrial) -> float | None:
     """How long a finished, launched trial took in the study's records (None for one never launched)."""
     if not (trial.user_attrs.get("run_dir") and trial.datetime_start and trial.datetime_complete):
         return None

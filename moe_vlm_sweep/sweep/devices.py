@@ -16,8 +16,8 @@ import fcntl
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 LOCK_DIR_ENV = "MOE_VLM_SWEEP_LOCK_DIR"
 POLL_S = 0.5
@@ -29,7 +29,7 @@ def lock_dir() -> Path:
     return path
 
 
-def _try_lock(name: str) -> Optional[int]:
+def _try_lock(name: str) -> int | None:
     fd = os.open(lock_dir() / name, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -70,8 +70,10 @@ def held(*, gpus: int, say: Callable[[str], None]) -> Iterator[str]:
             if len(fds) == wanted:
                 break
             if not waited:
-                say(f"waiting for {'GPUs' if gpus else 'the CPU cores'} another trial on this host measures on "
-                    f"(locks in {lock_dir()})")
+                say(
+                    f"waiting for {'GPUs' if gpus else 'the CPU cores'} another trial on this host measures on "
+                    f"(locks in {lock_dir()})"
+                )
                 waited = True
             for name in list(fds):  # never sit on part of a set while waiting: two waiters could deadlock
                 os.close(fds.pop(name))

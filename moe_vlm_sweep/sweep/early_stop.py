@@ -19,8 +19,8 @@ import contextlib
 import contextvars
 import json
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import optuna
 from optuna.trial import TrialState
@@ -28,16 +28,16 @@ from optuna.trial import TrialState
 from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
 from moe_vlm_sweep.sweep.spec import SweepConf
 
-Watch = Callable[[Path], Optional[str]]
-_active: contextvars.ContextVar[Optional[Watch]] = contextvars.ContextVar("early_stop", default=None)
+Watch = Callable[[Path], str | None]
+_active: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("early_stop", default=None)
 
 
-def active() -> Optional[Watch]:
+def active() -> Watch | None:
     return _active.get()
 
 
 @contextlib.contextmanager
-def watching(watch: Optional[Watch]) -> Iterator[None]:
+def watching(watch: Watch | None) -> Iterator[None]:
     token = _active.set(watch)
     try:
         yield
@@ -57,24 +57,40 @@ def read_progress(run_dir: Path) -> list[dict]:
 class EarlyStop:
     """The rule for one trial, against the best finished trial when it started."""
 
-    def __init__(self, *, trial: optuna.Trial, metric: str, maximize: bool, best: Optional[tuple[int, float]],
-                 min_steps: int, margin: float):
+    def __init__(
+        self,
+        *,
+        trial: optuna.Trial,
+        metric: str,
+        maximize: bool,
+        best: tuple[int, float] | None,
+        min_steps: int,
+        margin: float,
+    ):
         self.trial, self.metric, self.maximize, self.best = trial, metric, maximize, best
         self.min_steps, self.margin, self.reported = min_steps, margin, 0
 
     @classmethod
-    def for_trial(cls, study: optuna.Study, trial: optuna.Trial, spec: SweepConf) -> Optional["EarlyStop"]:
+    def for_trial(cls, study: optuna.Study, trial: optuna.Trial, spec: SweepConf) -> EarlyStop | None:
         if not spec.early_stop.enabled or len(spec.objective.metrics) != 1:
             return None
         maximize = spec.objective.directions[0] == "maximize"
-        done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.values and math.isfinite(t.values[0])]
+        done = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.values and math.isfinite(t.values[0])
+        ]
         top = (max if maximize else min)(done, key=lambda t: t.values[0], default=None)
-        return cls(trial=trial, metric=spec.objective.metrics[0], maximize=maximize,
-                   best=(top.number, top.values[0]) if top else None, min_steps=spec.early_stop.min_steps,
-                   margin=spec.early_stop.margin)
+        return cls(
+            trial=trial,
+            metric=spec.objective.metrics[0],
+            maximize=maximize,
+            best=(top.number, top.values[0]) if top else None,
+            min_steps=spec.early_stop.min_steps,
+            margin=spec.early_stop.margin,
+        )
 
-    def verdict(self, values: list[float]) -> Optional[str]:
+    def verdict(self, values: list[float]) -> str | None:
         """Why the trial stops, or None: the rule on the objective's per-step values."""
         if self.best is None or len(values) < self.min_steps:
             return None
@@ -84,15 +100,17 @@ class EarlyStop:
         worse = favourable < bound if self.maximize else favourable > bound
         if not worse:
             return None
-        return (f"stopped early after {len(values)} measured steps: its best step's {self.metric}={favourable:.4g} "
-                f"is more than {self.margin:.0%} {'below' if self.maximize else 'above'} best trial "
-                f"#{number}'s {best:.4g} (sweep.early_stop)")
+        return (
+            f"stopped early after {len(values)} measured steps: its best step's {self.metric}={favourable:.4g} "
+            f"is more than {self.margin:.0%} {'below' if self.maximize else 'above'} best trial "
+            f"#{number}'s {best:.4g} (sweep.early_stop)"
+        )
 
-    def __call__(self, run_dir: Path) -> Optional[str]:
+    def __call__(self, run_dir: Path) -> str | None:
         steps = read_progress(run_dir)
         values = [float(s[self.metric]) for s in steps if isinstance(s.get(self.metric), (int, float))]
         for step in range(self.reported, len(values)):  # the running median, as metrics.json will rank it
-            ordered = sorted(values[:step + 1])
+            ordered = sorted(values[: step + 1])
             middle = len(ordered) // 2
             median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
             self.trial.report(median, step + 1)

@@ -16,11 +16,13 @@ run directory (:func:`finished_run`) and its result kept, never measured again.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import optuna
 import psutil
@@ -44,7 +46,7 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{proc.pid}:{int(proc.create_time())}"
 
 
-def _worker_alive(worker: str) -> Optional[bool]:
+def _worker_alive(worker: str) -> bool | None:
     """True/False for a worker on this host; None when it runs elsewhere (only its heartbeat can tell)."""
     try:
         host, pid, start = worker.rsplit(":", 2)
@@ -58,7 +60,7 @@ def _worker_alive(worker: str) -> Optional[bool]:
         return False
 
 
-def is_stale(trial: FrozenTrial, stale_after_s: float, now: Optional[float] = None) -> bool:
+def is_stale(trial: FrozenTrial, stale_after_s: float, now: float | None = None) -> bool:
     if trial.state != TrialState.RUNNING:
         return False
     worker = trial.user_attrs.get("worker")
@@ -78,22 +80,37 @@ def retried_numbers(trials: Iterable[FrozenTrial]) -> set[int]:
 def unretried_interrupts(trials: list[FrozenTrial]) -> list[FrozenTrial]:
     """Launched trials a signal interrupted (failure class ``interrupted``) that no retry re-runs yet."""
     retried = retried_numbers(trials)
-    return [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("failure_class") == "interrupted"
-            and t.user_attrs.get("claim") == "launch" and "retry_of" not in t.user_attrs and t.number not in retried]
+    return [
+        t
+        for t in trials
+        if t.state == TrialState.FAIL
+        and t.user_attrs.get("failure_class") == "interrupted"
+        and t.user_attrs.get("claim") == "launch"
+        and "retry_of" not in t.user_attrs
+        and t.number not in retried
+    ]
 
 
 def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
     """Finished trials that count toward ``sweep.n_trials``: not duplicates, not interrupted-and-retried."""
     retried = retried_numbers(trials)
-    return [t for t in trials if t.state in FINISHED and t.user_attrs.get("claim") not in NOT_COUNTED
-            and t.number not in retried]
+    return [
+        t
+        for t in trials
+        if t.state in FINISHED and t.user_attrs.get("claim") not in NOT_COUNTED and t.number not in retried
+    ]
 
 
 def in_flight(trials: list[FrozenTrial], stale_after_s: float) -> list[FrozenTrial]:
     """RUNNING trials of live workers (they will count once finished). Queued retries are not: the next ask
     takes them, and until then the trial they replace no longer counts, so a slot stays open for them."""
-    return [t for t in trials if t.state == TrialState.RUNNING and not is_stale(t, stale_after_s)
-            and t.user_attrs.get("claim") not in NOT_COUNTED]
+    return [
+        t
+        for t in trials
+        if t.state == TrialState.RUNNING
+        and not is_stale(t, stale_after_s)
+        and t.user_attrs.get("claim") not in NOT_COUNTED
+    ]
 
 
 def is_surplus(trials: list[FrozenTrial], number: int, n_trials: int, stale_after_s: float) -> bool:
@@ -104,19 +121,25 @@ def is_surplus(trials: list[FrozenTrial], number: int, n_trials: int, stale_afte
 
 
 def stale_trials(study: optuna.Study, stale_after_s: float) -> list[FrozenTrial]:
-    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if is_stale(t, stale_after_s)]
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if is_stale(t, stale_after_s)]
 
 
 def holders(trials: list[FrozenTrial], params: dict[str, Any], number: int) -> list[FrozenTrial]:
     """Other trials that hold ``params``: sampled (complete params), not duplicates, not superseded retries."""
     retried = retried_numbers(trials)
-    return [t for t in trials if t.number != number and t.user_attrs.get("sampled")
-            and t.user_attrs.get("claim") not in NOT_COUNTED and t.number not in retried
-            and t.state != TrialState.WAITING and t.params == params]
+    return [
+        t
+        for t in trials
+        if t.number != number
+        and t.user_attrs.get("sampled")
+        and t.user_attrs.get("claim") not in NOT_COUNTED
+        and t.number not in retried
+        and t.state != TrialState.WAITING
+        and t.params == params
+    ]
 
 
-def claim(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> Optional[int]:
+def claim(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> int | None:
     """Claim ``params`` for ``trial``; return None if it owns them, else the number of the trial that does.
 
     Write-then-read, so two workers that sample the same config at once never both launch it: the trial marks
@@ -130,8 +153,11 @@ def claim(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> O
         others = holders(study.get_trials(deepcopy=False), params, trial.number)
         lower = [t.number for t in others if t.number < trial.number]
         higher_claimed = [t.number for t in others if t.user_attrs.get("claim") == "launch"]
-        undecided = [t for t in others if t.number > trial.number and "claim" not in t.user_attrs
-                     and t.state == TrialState.RUNNING]
+        undecided = [
+            t
+            for t in others
+            if t.number > trial.number and "claim" not in t.user_attrs and t.state == TrialState.RUNNING
+        ]
         if lower or higher_claimed:
             trial.set_user_attr("claim", "duplicate")
             return min(lower + higher_claimed)
@@ -157,12 +183,10 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):
-            try:
+            with contextlib.suppress(Exception):  # a storage hiccup must not kill the trial; the next beat retries
                 self._trial.set_user_attr("heartbeat", time.time())
-            except Exception:  # a storage hiccup must not kill the trial; the next beat retries
-                pass
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         self._thread.start()
         return self
 
@@ -171,8 +195,7 @@ class Heartbeat:
         self._thread.join()
 
 
-
-def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> Optional[RunResult]:
+def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> RunResult | None:
     """The result of ``trial``'s run if it finished, else None (a stale trial's, or this process's own when a
     signal stops it just after its worker wrote the result).
 
@@ -194,8 +217,9 @@ def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> Optional[
             result = RunResult.read(run_dir)
         elif (run_dir / METRICS_FILE).exists() or (run_dir / FAILURE_FILE).exists():
             plan = RunPlan.read(run_dir / "plan.json")
-            result = classify(run_dir, 0 if (run_dir / METRICS_FILE).exists() else 1, False,
-                              plan.run_config.train.timeout_s)
+            result = classify(
+                run_dir, 0 if (run_dir / METRICS_FILE).exists() else 1, False, plan.run_config.train.timeout_s
+            )
             result.run_dir = str(run_dir)
             result.write(run_dir)
         else:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -53,19 +54,26 @@ def check_objective(objective: ObjectiveConf) -> None:
     fields = list(metric_fields())
     for name in objective.metrics:
         parts = name.split(".")
-        if not any(len(f.split(".")) == len(parts) and all(a in (b, "KEY") for a, b in zip(f.split("."), parts))
-                   for f in fields):
+        if not any(
+            len(f.split(".")) == len(parts) and all(a in (b, "KEY") for a, b in zip(f.split("."), parts))
+            for f in fields
+        ):
             top = sorted(f for f in fields if "." not in f)
-            raise SweepSpecError(f"sweep.objective.metric={name!r} is not a numeric field of metrics.json (the "
-                                 f"Metrics dataclass, moe_vlm_sweep/metrics/schema.py); top-level ones: "
-                                 f"{', '.join(top)}")
+            raise SweepSpecError(
+                f"sweep.objective.metric={name!r} is not a numeric field of metrics.json (the "
+                f"Metrics dataclass, moe_vlm_sweep/metrics/schema.py); top-level ones: "
+                f"{', '.join(top)}"
+            )
 
 
 def _reason(exc: BaseException) -> str:
     """Hydra's message without its hint to append with ``+`` (a misspelled knob wants fixing, not adding), with
     the cause (``Key 'mbss' not in 'BatchConf'``, ``Value 'two' ... could not be converted to Integer``)."""
-    lines = [line.strip() for line in str(exc).strip().splitlines()
-             if line.strip() and not line.strip().startswith(("To append", "Config search path", "provider="))]
+    lines = [
+        line.strip()
+        for line in str(exc).strip().splitlines()
+        if line.strip() and not line.strip().startswith(("To append", "Config search path", "provider="))
+    ]
     cause = exc.__cause__
     if cause is not None and str(cause).strip():
         lines.append(str(cause).strip().splitlines()[0])
@@ -90,10 +98,10 @@ def _given(param: Param) -> dict[str, Any]:
     return given
 
 
-def check_space(compose: Compose, space: Space, base: Sequence[str],
-                first_trials: Sequence[Mapping[str, Any]]) -> int:
+def check_space(compose: Compose, space: Space, base: Sequence[str], first_trials: Sequence[Mapping[str, Any]]) -> int:
     """Compose every value of the space over ``base``; raise SweepSpecError naming the first that fails. Returns
     how many configs were composed."""
+
     def attempt(extra: Mapping[str, Any], what: str) -> None:
         try:
             compose([*base, *Space.overrides(extra)])
@@ -104,8 +112,10 @@ def check_space(compose: Compose, space: Space, base: Sequence[str],
     count = 1
     for param in space.params:
         for value in _values(param):
-            attempt({**_given(param), param.key: value},
-                    f"sweep.params.{param.key}={value if isinstance(value, str) else format_value(value)}")
+            attempt(
+                {**_given(param), param.key: value},
+                f"sweep.params.{param.key}={value if isinstance(value, str) else format_value(value)}",
+            )
             count += 1
     for index, point in enumerate(first_trials):
         attempt(point, f"sweep.first_trials[{index}]")

@@ -3,10 +3,12 @@ trials."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from optuna.trial import FrozenTrial
 
@@ -39,7 +41,7 @@ class StepTail:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name=f"steps-{number}", daemon=True)
 
-    def _find(self) -> Optional[Path]:
+    def _find(self) -> Path | None:
         found = [d for d in self.runs_dir.glob(f"*-job{self.number}-*") if d.stat().st_mtime >= self.began]
         return max(found, key=lambda d: d.stat().st_mtime) / "worker.log" if found else None
 
@@ -50,7 +52,7 @@ class StepTail:
         with open(self.log, "rb") as handle:
             handle.seek(self.offset)
             chunk = handle.read()
-        complete = chunk[:chunk.rfind(b"\n") + 1]
+        complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.decode(errors="replace").splitlines():
             if line.startswith("[step "):
@@ -58,27 +60,34 @@ class StepTail:
 
     def _follow(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
+            with contextlib.suppress(OSError):
                 self._echo()
-            except OSError:
-                pass
 
-    def __enter__(self) -> "StepTail":
+    def __enter__(self) -> StepTail:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        try:
+        with contextlib.suppress(OSError):
             self._echo()  # the steps of the last interval
-        except OSError:
-            pass
 
 
-def trial_line(*, done: int, total: int, number: int, sampled: dict[str, Any], failure_class: str,
-               values: Optional[Sequence[float]], reason: str, metric_names: Sequence[str],
-               best: Optional[FrozenTrial], proposed_as: str = "", left: str = "") -> str:
+def trial_line(
+    *,
+    done: int,
+    total: int,
+    number: int,
+    sampled: dict[str, Any],
+    failure_class: str,
+    values: Sequence[float] | None,
+    reason: str,
+    metric_names: Sequence[str],
+    best: FrozenTrial | None,
+    proposed_as: str = "",
+    left: str = "",
+) -> str:
     config = config_text(sampled) or "(no searched knobs)"
     if proposed_as:
         config += f" ({proposed_as})"
@@ -93,7 +102,7 @@ def trial_line(*, done: int, total: int, number: int, sampled: dict[str, Any], f
     return line + left
 
 
-def table(trials: Sequence[FrozenTrial], metric_names: Sequence[str], *, realism: Optional[str]) -> str:
+def table(trials: Sequence[FrozenTrial], metric_names: Sequence[str], *, realism: str | None) -> str:
     """The top trials, best first, with the values and the searched knobs of each."""
     if not trials:
         return "no successful trial yet"

@@ -17,8 +17,9 @@ What a param varies:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from moe_vlm_sweep.config.recipe import KNOBS, TOKEN_DROPPING, Knob
 from moe_vlm_sweep.config.schema import CudaGraphConf, DispatcherConf, RunConfig, from_dict
@@ -54,6 +55,7 @@ def _option(conf_dir: Path, group: str, choice: Any) -> dict[str, Any] | None:
                 walk(value, f"{prefix}{key}.")
             else:
                 flat[f"{prefix}{key}"] = value
+
     walk(raw, f"{group}.")
     return flat
 
@@ -64,8 +66,10 @@ def _group_changes(param: Param, conf_dir: Path) -> set[str]:
     # a field an option leaves out keeps the schema's default in that option
     varied = {path for path in recipe if len({repr(o.get(path, "<default>")) for o in options}) > 1}
     if param.key == "cuda_graph":
-        graphs = [from_dict(CudaGraphConf, {k.split(".", 1)[1]: v for k, v in o.items() if k != "cuda_graph.name"})
-                  for o in options]
+        graphs = [
+            from_dict(CudaGraphConf, {k.split(".", 1)[1]: v for k, v in o.items() if k != "cuda_graph.name"})
+            for o in options
+        ]
         if len({needs_drop_and_pad(g) for g in graphs}) > 1:
             varied.add(TOKEN_DROPPING)
     return varied
@@ -84,8 +88,9 @@ def _field_changes(param: Param) -> set[str]:
     if KNOBS.get(param.key) is not Knob.RECIPE:
         return set()
     single = param.kind == "categorical" and len(param.choices) == 1 and not param.when
-    return set() if single or (param.kind != "categorical" and param.low == param.high and not param.when) else {
-        param.key}
+    return (
+        set() if single or (param.kind != "categorical" and param.low == param.high and not param.when) else {param.key}
+    )
 
 
 def _value(choice: Any) -> Any:
@@ -99,8 +104,11 @@ def recipe_changes(space: Space, conf_dir: Path) -> dict[str, list[str]]:
     """Param key -> the recipe fields it can set to different values in different trials."""
     changes = {}
     for param in space.params:
-        fields = (_group_changes(param, conf_dir) if (conf_dir / param.key).is_dir() and param.kind == "categorical"
-                  else _field_changes(param))
+        fields = (
+            _group_changes(param, conf_dir)
+            if (conf_dir / param.key).is_dir() and param.kind == "categorical"
+            else _field_changes(param)
+        )
         if fields:
             changes[param.key] = sorted(fields)
     return changes
@@ -123,5 +131,6 @@ def check_recipe(space: Space, allowed: Sequence[str], conf_dir: Path) -> dict[s
         raise SweepSpecError(
             f"{listed}: recipe field(s), which change what is trained, not how fast (config/recipe.py). A search "
             f"keeps the recipe unless the space opts in: allow_recipe_changes: [{names}] in the space, or "
-            f"sweep.allow_recipe_changes=[{names}] on the command line; each recipe is then ranked separately")
+            f"sweep.allow_recipe_changes=[{names}] on the command line; each recipe is then ranked separately"
+        )
     return changes

@@ -20,15 +20,15 @@ import hashlib
 import json
 import operator
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
 from moe_vlm_sweep.sweep.spec import SweepSpecError
 
-_OPS = {">=": operator.ge, "<=": operator.le, "!=": operator.ne, "==": operator.eq, ">": operator.gt,
-        "<": operator.lt}
+_OPS = {">=": operator.ge, "<=": operator.le, "!=": operator.ne, "==": operator.eq, ">": operator.gt, "<": operator.lt}
 _PLAIN = re.compile(r"^[\w./@:-]+$")
 
 
@@ -103,14 +103,16 @@ class Param:
 
 def _condition(param: str, key: str, raw: Any, earlier: Sequence[str]) -> Condition:
     if key not in earlier:
-        raise SweepSpecError(f"sweep.params.{param}.when names {key!r}, which is not a param listed before "
-                             f"{param} (known: {', '.join(earlier) or 'none'})")
+        raise SweepSpecError(
+            f"sweep.params.{param}.when names {key!r}, which is not a param listed before "
+            f"{param} (known: {', '.join(earlier) or 'none'})"
+        )
     if isinstance(raw, (list, tuple)):
         return Condition(key, "in", tuple(_choice(v) for v in raw))
     if isinstance(raw, str):
         for op in _OPS:
             if raw.startswith(op):
-                return Condition(key, op, yaml.safe_load(raw[len(op):].strip()))
+                return Condition(key, op, yaml.safe_load(raw[len(op) :].strip()))
     return Condition(key, "==", _choice(raw))
 
 
@@ -128,8 +130,7 @@ def _number(param: str, spec: Mapping[str, Any], name: str) -> float:
     return value
 
 
-_FIELDS = {"categorical": ("choices",), "int": ("low", "high", "step", "log"),
-           "float": ("low", "high", "step", "log")}
+_FIELDS = {"categorical": ("choices",), "int": ("low", "high", "step", "log"), "float": ("low", "high", "step", "log")}
 """The fields each param type takes besides ``type`` and ``when``."""
 
 
@@ -140,8 +141,10 @@ def parse_param(key: str, raw: Any, earlier: Sequence[str]) -> Param:
     allowed = _FIELDS.get(kind)
     unknown = sorted(set(spec) - set(allowed or ()))
     if allowed is not None and unknown:  # before any missing field: a misspelled one is why it is missing
-        raise SweepSpecError(f"sweep.params.{key}: unknown field(s) {', '.join(map(str, unknown))} for type {kind} "
-                             f"(allowed: type, when, {', '.join(allowed)})")
+        raise SweepSpecError(
+            f"sweep.params.{key}: unknown field(s) {', '.join(map(str, unknown))} for type {kind} "
+            f"(allowed: type, when, {', '.join(allowed)})"
+        )
     if kind == "categorical":
         choices = spec.pop("choices", None)
         if not choices:
@@ -159,8 +162,9 @@ def parse_param(key: str, raw: Any, earlier: Sequence[str]) -> Param:
             raise SweepSpecError(f"sweep.params.{key}: type int needs integer low/high/step")
         param = Param(key, kind, low=low, high=high, step=step, log=log, when=when)
     else:
-        raise SweepSpecError(f"sweep.params.{key}.type={kind!r} must be categorical, int or float "
-                             "(or give a list of choices)")
+        raise SweepSpecError(
+            f"sweep.params.{key}.type={kind!r} must be categorical, int or float (or give a list of choices)"
+        )
     return param
 
 
@@ -169,12 +173,14 @@ class Space:
     params: tuple[Param, ...]
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any], fixed_keys: Sequence[str] = ()) -> "Space":
+    def parse(cls, raw: Mapping[str, Any], fixed_keys: Sequence[str] = ()) -> Space:
         params: list[Param] = []
         for key, spec in raw.items():
             if key in fixed_keys:
-                raise SweepSpecError(f"sweep.params.{key} is also set by a fixed override (sweep.fixed or the "
-                                     "command line); search it or fix it, not both")
+                raise SweepSpecError(
+                    f"sweep.params.{key} is also set by a fixed override (sweep.fixed or the "
+                    "command line); search it or fix it, not both"
+                )
             params.append(parse_param(str(key), spec, [p.key for p in params]))
         return cls(tuple(params))
 
@@ -189,16 +195,19 @@ class Space:
                 raise SweepSpecError(f"{where}.{key}: not a param of sweep.params (searched: {', '.join(params)})")
             stored = _choice(value)
             if param.kind == "categorical" and stored not in param.choices:
-                raise SweepSpecError(f"{where}.{key}={format_value(value)} is not one of sweep.params.{key}.choices "
-                                     f"[{', '.join(format_value(c) for c in param.choices)}]")
+                raise SweepSpecError(
+                    f"{where}.{key}={format_value(value)} is not one of sweep.params.{key}.choices "
+                    f"[{', '.join(format_value(c) for c in param.choices)}]"
+                )
             if param.kind != "categorical" and not param.low <= value <= param.high:
-                raise SweepSpecError(f"{where}.{key}={value} is outside sweep.params.{key} "
-                                     f"[{param.low}, {param.high}]")
+                raise SweepSpecError(f"{where}.{key}={value} is outside sweep.params.{key} [{param.low}, {param.high}]")
             point[key] = stored
         for param in self.params:
             if param.key in point and not all(c.holds(point) for c in param.when):
-                raise SweepSpecError(f"{where}.{param.key} is given, but in this config its condition "
-                                     f"({' and '.join(map(str, param.when))}) does not hold, so it is never sampled")
+                raise SweepSpecError(
+                    f"{where}.{param.key} is given, but in this config its condition "
+                    f"({' and '.join(map(str, param.when))}) does not hold, so it is never sampled"
+                )
         return point
 
     def suggest(self, trial: Any) -> dict[str, Any]:
@@ -227,8 +236,10 @@ class Space:
 
     @staticmethod
     def overrides(sampled: Mapping[str, Any]) -> list[str]:
-        return [f"{key}={value if isinstance(value, str) and value.startswith('[') else format_value(value)}"
-                for key, value in sampled.items()]
+        return [
+            f"{key}={value if isinstance(value, str) and value.startswith('[') else format_value(value)}"
+            for key, value in sampled.items()
+        ]
 
 
 def fixed_overrides(fixed: Mapping[str, Any]) -> list[str]:

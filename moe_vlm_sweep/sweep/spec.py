@@ -8,7 +8,7 @@ messages that name the knob; the search space itself (``params``) is parsed by `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -62,8 +62,10 @@ class ResumeConf:
         if self.stale not in ("fail", "retry"):
             raise SweepSpecError(f"sweep.resume.stale={self.stale!r} must be fail or retry")
         if self.heartbeat_s <= 0 or self.stale_after_s <= self.heartbeat_s:
-            raise SweepSpecError(f"sweep.resume.stale_after_s={self.stale_after_s} must exceed "
-                                 f"sweep.resume.heartbeat_s={self.heartbeat_s} > 0")
+            raise SweepSpecError(
+                f"sweep.resume.stale_after_s={self.stale_after_s} must exceed "
+                f"sweep.resume.heartbeat_s={self.heartbeat_s} > 0"
+            )
 
 
 @dataclass(kw_only=True)
@@ -91,9 +93,9 @@ class SweepConf:
     seed: int = 0
     """Seeds the sampler. A worker joining a study with trials draws from seed + their count, and concurrent
     workers should get distinct seeds (e.g. ``sweep.seed=$SLURM_ARRAY_TASK_ID``)."""
-    study_name: Optional[str] = None
+    study_name: str | None = None
     """None: ``<space>-<hash of params, fixed overrides and objective>``, so re-running a command resumes."""
-    storage: Optional[str] = None
+    storage: str | None = None
     """Optuna storage URL; None: SQLite under the sweep directory. ``postgresql://...`` for many workers."""
     sampler: str = "tpe"
     objective: ObjectiveConf = field(default_factory=ObjectiveConf)
@@ -115,7 +117,7 @@ class SweepConf:
     confirm: int = 0
     """Re-runs of each of the ``top_k`` trials when the sweep ends (as ``best --confirm N``): the exported best is
     the one whose median holds. 0: export the single-measurement ranking."""
-    time_budget_s: Optional[float] = None
+    time_budget_s: float | None = None
     """Wall-clock seconds this sweep process may run (the end of its Slurm allocation or machine reservation): it starts
     no trial, and no confirmation, that its slowest trial so far says would overrun them, and stops cleanly;
     the same command resumes. None: no limit."""
@@ -154,16 +156,21 @@ class SweepConf:
             raise SweepSpecError(f"sweep.time_budget_s={self.time_budget_s} must be > 0 (or null: no limit)")
         self.fixed = {} if self.fixed is None else self.fixed
         if not isinstance(self.fixed, dict):
-            raise SweepSpecError(f"sweep.fixed must map override keys to values ({{model: tiny, train.steps: 3}}), "
-                                 f"not {type(self.fixed).__name__} {self.fixed!r}")
+            raise SweepSpecError(
+                f"sweep.fixed must map override keys to values ({{model: tiny, train.steps: 3}}), "
+                f"not {type(self.fixed).__name__} {self.fixed!r}"
+            )
         for key, value in self.fixed.items():
             if isinstance(value, dict):
-                raise SweepSpecError(f"sweep.fixed.{key} is a mapping; an override's value is a scalar or a list, "
-                                     f"so write dotted keys ({key}.<field>: value)")
+                raise SweepSpecError(
+                    f"sweep.fixed.{key} is a mapping; an override's value is a scalar or a list, "
+                    f"so write dotted keys ({key}.<field>: value)"
+                )
 
 
 def load_spec(node: DictConfig | dict | None) -> SweepConf:
     """Typed SweepConf from the composed ``sweep`` node (None: all defaults, for apps without a space file)."""
+
     def wrap(exc: OmegaConfBaseException) -> SweepSpecError:
         return SweepSpecError(f"sweep: {exc}".replace("full_key: ", "full_key: sweep."))
 

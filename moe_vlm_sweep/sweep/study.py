@@ -12,8 +12,9 @@ import random
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import optuna
 import sqlalchemy
@@ -47,8 +48,10 @@ def storage_url(spec: SweepConf, sweep_dir: Path | None) -> str | None:
     try:
         sweep_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise StorageError(f"cannot create the sweep's folder {sweep_dir} ({exc.strerror}): make outputs_dir "
-                           "writable, or set outputs_dir (or sweep.storage) to a writable place") from None
+        raise StorageError(
+            f"cannot create the sweep's folder {sweep_dir} ({exc.strerror}): make outputs_dir "
+            "writable, or set outputs_dir (or sweep.storage) to a writable place"
+        ) from None
     return f"sqlite:///{sweep_dir.resolve() / 'optuna.db'}"
 
 
@@ -68,7 +71,7 @@ def driver_url(url: str) -> str:
     psycopg 3, which would be a second driver for the same job; an explicit ``postgresql+<driver>://`` is kept."""
     for bare in ("postgresql://", "postgres://"):
         if url.startswith(bare):
-            return "postgresql+psycopg2://" + url[len(bare):]
+            return "postgresql+psycopg2://" + url[len(bare) :]
     return url
 
 
@@ -78,7 +81,7 @@ def _shown(url: str) -> str:
 
 
 def _sqlite_problem(url: str) -> str | None:
-    path = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+    path = Path(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None
     if path is None or str(path) in ("", ":memory:"):
         return None
     if not path.parent.is_dir():
@@ -104,14 +107,20 @@ def storage_problem(exc: BaseException, url: str) -> StorageError:
     where = _shown(url)
     if url.startswith("sqlite:"):
         if any(word in first for word in _DAMAGED):
-            return StorageError(f"the Optuna database {where} is damaged ({first}): restore it from a copy, or "
-                                "move it away to start a new study (MLflow keeps the old one's runs)")
+            return StorageError(
+                f"the Optuna database {where} is damaged ({first}): restore it from a copy, or "
+                "move it away to start a new study (MLflow keeps the old one's runs)"
+            )
         if "readonly" in first or "read-only" in first:
-            return StorageError(f"the Optuna database {where} is read-only ({first}): make it writable, or set "
-                                "sweep.storage to a writable place")
+            return StorageError(
+                f"the Optuna database {where} is read-only ({first}): make it writable, or set "
+                "sweep.storage to a writable place"
+            )
         return StorageError(f"cannot use the Optuna database {where}: {first}")
-    return StorageError(f"cannot reach the study's database server at {where}: {first}; start the server, or "
-                        "check sweep.storage's host, port and credentials (the same command resumes)")
+    return StorageError(
+        f"cannot reach the study's database server at {where}: {first}; start the server, or "
+        "check sweep.storage's host, port and credentials (the same command resumes)"
+    )
 
 
 def open_storage(url: str) -> RDBStorage:
@@ -120,28 +129,37 @@ def open_storage(url: str) -> RDBStorage:
         raise SweepSpecError(f"sweep.storage={url!r} must be a sqlite:///, postgresql:// or mysql:// URL")
     url = driver_url(url)
     if problem := _sqlite_problem(url):
-        raise StorageError(f"sweep.storage={url}: {problem}; make it writable, or set sweep.storage to a "
-                           "writable place")
+        raise StorageError(
+            f"sweep.storage={url}: {problem}; make it writable, or set sweep.storage to a writable place"
+        )
     if url.startswith("sqlite:"):
         kwargs: dict[str, Any] = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
     else:
-        kwargs = {"pool_pre_ping": True,
-                  "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S} if "psycopg2" in url else {}}
+        kwargs = {
+            "pool_pre_ping": True,
+            "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S} if "psycopg2" in url else {},
+        }
         try:
             engine = sqlalchemy.create_engine(url, **kwargs)
             with engine.connect():
                 pass
             engine.dispose()
         except ImportError as exc:
-            raise StorageError(f"sweep.storage={_shown(url)} needs a driver that is not installed ({exc}); "
-                               "install it, or name an installed one (postgresql+psycopg2://...)") from None
+            raise StorageError(
+                f"sweep.storage={_shown(url)} needs a driver that is not installed ({exc}); "
+                "install it, or name an installed one (postgresql+psycopg2://...)"
+            ) from None
         except sqlalchemy.exc.SQLAlchemyError as exc:
             raise storage_problem(exc, url) from None
     for attempt in range(10):
         try:
             return RDBStorage(url, engine_kwargs=kwargs)
-        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError,
-                sqlalchemy.exc.DatabaseError) as exc:
+        except (
+            sqlalchemy.exc.OperationalError,
+            sqlalchemy.exc.IntegrityError,
+            sqlalchemy.exc.ProgrammingError,
+            sqlalchemy.exc.DatabaseError,
+        ) as exc:
             # Workers started together on a fresh database race to create its tables; the loser retries and
             # then finds them (Optuna creates them in one transaction, so a retry sees all or none). A damaged
             # or read-only file is not a race: it is said at once.
@@ -162,8 +180,9 @@ def sampler(spec: SweepConf, seed: int) -> optuna.samplers.BaseSampler:
     # again and again (duplicates, never launched, taught it nothing; seen in the first H200 study).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(STARTUP_TRIALS, spec.n_trials),
-                                          multivariate=True, group=True)
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=min(STARTUP_TRIALS, spec.n_trials), multivariate=True, group=True
+        )
 
 
 @contextlib.contextmanager
@@ -184,7 +203,7 @@ def exploring(study: optuna.Study, explorer: optuna.samplers.BaseSampler, now: b
         study.sampler = own
 
 
-def neighbor_of_best(study: optuna.Study, space: Space, rng: random.Random) -> Optional[tuple[int, dict[str, Any]]]:
+def neighbor_of_best(study: optuna.Study, space: Space, rng: random.Random) -> tuple[int, dict[str, Any]] | None:
     """After the sampler repeated a measured config: an untried config one knob from the best trial, to enqueue
     (the best trial's number and the config), or None when every neighbor was tried or there is no single best.
 
@@ -198,15 +217,22 @@ def neighbor_of_best(study: optuna.Study, space: Space, rng: random.Random) -> O
         best = study.best_trial
     except ValueError:  # nothing completed yet
         return None
-    tried = [t.system_attrs.get("fixed_params", {}) if t.state == TrialState.WAITING else t.params
-             for t in study.get_trials(deepcopy=False) if t.user_attrs.get("claim") not in NOT_COUNTED]
-    fresh = [n for n in space.neighbors(best.params)
-             if not any(all(key in p and p[key] == value for key, value in n.items()) for p in tried)]
+    tried = [
+        t.system_attrs.get("fixed_params", {}) if t.state == TrialState.WAITING else t.params
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("claim") not in NOT_COUNTED
+    ]
+    fresh = [
+        n
+        for n in space.neighbors(best.params)
+        if not any(all(key in p and p[key] == value for key, value in n.items()) for p in tried)
+    ]
     return (best.number, rng.choice(fresh)) if fresh else None
 
 
-def open_study(*, name: str, url: str | None, spec: SweepConf,
-               lost: Optional[Callable[[], Optional[str]]] = None) -> optuna.Study:
+def open_study(
+    *, name: str, url: str | None, spec: SweepConf, lost: Callable[[], str | None] | None = None
+) -> optuna.Study:
     """The study ``name`` in ``url``, created if new. ``lost()`` is asked before creating one: a reason not to
     (MLflow already holds this study's trials, so its database was emptied or replaced) stops the sweep instead
     of starting the study over beside its old runs."""
@@ -220,16 +246,26 @@ def open_study(*, name: str, url: str | None, spec: SweepConf,
         if existing is not None:
             found = [d.name.lower() for d in existing.directions]
             if found != directions:
-                raise SweepSpecError(f"study {name!r} in {url} optimizes {found}, but sweep.objective asks "
-                                     f"{directions}; set a new sweep.study_name")
+                raise SweepSpecError(
+                    f"study {name!r} in {url} optimizes {found}, but sweep.objective asks "
+                    f"{directions}; set a new sweep.study_name"
+                )
             seed = spec.seed + len(existing.trials)
             return optuna.load_study(study_name=name, storage=storage, sampler=sampler(spec, seed))
         if lost is not None and (why := lost()):
-            raise StorageError(f"study {name} is not in {_shown(url or 'memory')}, but {why}: the Optuna database "
-                               "was emptied or replaced. Restore it from a copy, or start a new study with "
-                               "sweep.study_name=NEW")
-        return optuna.create_study(study_name=name, storage=storage, directions=directions,
-                                   sampler=sampler(spec, spec.seed), load_if_exists=True)
+            raise StorageError(
+                f"study {name} is not in {_shown(url or 'memory')}, but {why}: the Optuna database "
+                "was emptied or replaced. Restore it from a copy, or start a new study with "
+                "sweep.study_name=NEW"
+            )
+        return optuna.create_study(
+            study_name=name,
+            storage=storage,
+            directions=directions,
+            sampler=sampler(spec, spec.seed),
+            load_if_exists=True,
+        )
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-        raise storage_problem(exc.__cause__ or exc if isinstance(exc, optuna.exceptions.StorageInternalError)
-                              else exc, url or "") from None
+        raise storage_problem(
+            exc.__cause__ or exc if isinstance(exc, optuna.exceptions.StorageInternalError) else exc, url or ""
+        ) from None

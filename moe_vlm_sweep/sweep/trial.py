@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -79,10 +80,10 @@ class Outcome:
     """complete | pruned (infeasible: the sampler learns to avoid it) | fail (the sampler ignores it)"""
     failure_class: str
     """ok | invalid | oom | crash | timeout | nan | pruned (stopped early) | duplicate | interrupted"""
-    values: Optional[list[float]] = None
+    values: list[float] | None = None
     reason: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -92,27 +93,40 @@ class Outcome:
 # OOM and invalid are properties of the config (the sampler should steer away); crash, timeout and NaN may be
 # the machine or the step count, so they are failures Optuna does not learn from. A trial stopped early
 # (``sweep/early_stop.py``) is pruned, as Optuna's own pruners report it.
-_STATE_OF = {"oom": "pruned", "invalid": "pruned", "crash": "fail", "timeout": "fail", "nan": "fail",
-             "pruned": "pruned"}
+_STATE_OF = {
+    "oom": "pruned",
+    "invalid": "pruned",
+    "crash": "fail",
+    "timeout": "fail",
+    "nan": "fail",
+    "pruned": "pruned",
+}
 
 
 def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:
     if not result.ok:
-        return Outcome(state=_STATE_OF[result.status], failure_class=result.status, reason=result.reason,
-                       run_dir=result.run_dir)
+        return Outcome(
+            state=_STATE_OF[result.status], failure_class=result.status, reason=result.reason, run_dir=result.run_dir
+        )
     values = []
     for name in objective.metrics:
         value = metric_value(result.metrics, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             numeric = sorted(k for k, v in result.metrics.items() if isinstance(v, (int, float)))
-            raise SweepSpecError(f"sweep.objective.metric={name!r} is not a numeric field of metrics.json "
-                                 f"(numeric fields: {', '.join(numeric)})")
+            raise SweepSpecError(
+                f"sweep.objective.metric={name!r} is not a numeric field of metrics.json "
+                f"(numeric fields: {', '.join(numeric)})"
+            )
         if not math.isfinite(value):
-            return Outcome(state="fail", failure_class="nan", reason=f"{name}={value} is not finite",
-                           metrics=result.metrics, run_dir=result.run_dir)
+            return Outcome(
+                state="fail",
+                failure_class="nan",
+                reason=f"{name}={value} is not finite",
+                metrics=result.metrics,
+                run_dir=result.run_dir,
+            )
         values.append(float(value))
-    return Outcome(state="complete", failure_class="ok", values=values, metrics=result.metrics,
-                   run_dir=result.run_dir)
+    return Outcome(state="complete", failure_class="ok", values=values, metrics=result.metrics, run_dir=result.run_dir)
 
 
 _LOST_JOB_STATES = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}
@@ -132,8 +146,11 @@ def outcome_of_lost_job(exc: Exception) -> Outcome:
     if _SUBMITIT_TIME_LIMIT in str(exc):  # submitit ended the job at Slurm's time-limit signal, not requeued
         failure_class = "timeout"
     tail = f"\nerror stream (end): {stream.strip()[-_STREAM_TAIL:]}" if stream.strip() else ""
-    return Outcome(state=_STATE_OF[failure_class], failure_class=failure_class,
-                   reason=f"the launcher lost the job: {head.strip()}{tail}")
+    return Outcome(
+        state=_STATE_OF[failure_class],
+        failure_class=failure_class,
+        reason=f"the launcher lost the job: {head.strip()}{tail}",
+    )
 
 
 def is_refused_submission(exc: Exception) -> bool:
@@ -151,6 +168,9 @@ def outcome_of_value(value: Any, n_objectives: int) -> Outcome:
     except (TypeError, ValueError):
         return Outcome(state="fail", failure_class="crash", reason=f"the task returned {value!r}, not a number")
     if len(floats) != n_objectives or not all(math.isfinite(v) for v in floats):
-        return Outcome(state="fail", failure_class="nan" if len(floats) == n_objectives else "crash",
-                       reason=f"the task returned {value!r}; expected {n_objectives} finite number(s)")
+        return Outcome(
+            state="fail",
+            failure_class="nan" if len(floats) == n_objectives else "crash",
+            reason=f"the task returned {value!r}; expected {n_objectives} finite number(s)",
+        )
     return Outcome(state="complete", failure_class="ok", values=floats)

@@ -16,16 +16,26 @@ import fcntl
 import json
 import math
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 TAG = "moe_vlm_sweep."
-ARTIFACTS = ("config.yaml", "overrides.yaml", "plan.json", "command.sh", "worker.log", "metrics.json",
-             "failure.json", "result.json", "kernels.txt")
+ARTIFACTS = (
+    "config.yaml",
+    "overrides.yaml",
+    "plan.json",
+    "command.sh",
+    "worker.log",
+    "metrics.json",
+    "failure.json",
+    "result.json",
+    "kernels.txt",
+)
 _STATUS = {"ok": "FINISHED", "interrupted": "KILLED", "duplicate": "KILLED", "surplus": "KILLED"}
 """MLflow run status per failure class: KILLED for trials that never ran to the end without being at fault."""
 EXPERIMENT_KIND = "mlflow.experimentKind"
@@ -49,7 +59,7 @@ def sqlite_init_lock(uri: str) -> Iterator[None]:
     if not uri.startswith("sqlite:///"):
         yield
         return
-    lock = Path(uri[len("sqlite:///"):] + ".lock")
+    lock = Path(uri[len("sqlite:///") :] + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -79,14 +89,16 @@ def _metrics(metrics: Mapping[str, Any], now_ms: int) -> list[Metric]:
         series = value if isinstance(value, list) else [value]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in series) or not series:
             continue
-        out += [Metric(key, float(v) if math.isfinite(v) else float("nan"), now_ms, step)
-                for step, v in enumerate(series)]
+        out += [
+            Metric(key, float(v) if math.isfinite(v) else float("nan"), now_ms, step) for step, v in enumerate(series)
+        ]
     return out
 
 
 class SweepTracker:
-    def __init__(self, *, tracking_uri: str, experiment: str, artifact_root: str, study_name: str,
-                 static_tags: Mapping[str, str]):
+    def __init__(
+        self, *, tracking_uri: str, experiment: str, artifact_root: str, study_name: str, static_tags: Mapping[str, str]
+    ):
         self.tracking_uri, self.study_name = tracking_uri, study_name
         self.static_tags = dict(static_tags)
         with sqlite_init_lock(tracking_uri):
@@ -97,10 +109,8 @@ class SweepTracker:
     def _experiment(self, name: str, artifact_root: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is None:
-            try:
+            with contextlib.suppress(MlflowException):  # another worker may create it first
                 self.client.create_experiment(name, artifact_location=artifact_root)
-            except MlflowException:  # another worker created it first
-                pass
             found = self.client.get_experiment_by_name(name)
         if EXPERIMENT_KIND not in found.tags:  # the UI then opens on runs and charts, not its GenAI view
             self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
@@ -109,9 +119,13 @@ class SweepTracker:
     def _search(self, filter_string: str) -> list:
         runs, token = [], None
         while True:
-            page = self.client.search_runs([self.experiment_id], filter_string=filter_string,
-                                           run_view_type=ViewType.ACTIVE_ONLY, max_results=1000,
-                                           page_token=token)
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=filter_string,
+                run_view_type=ViewType.ACTIVE_ONLY,
+                max_results=1000,
+                page_token=token,
+            )
             runs += list(page)
             token = page.token
             if not token:
@@ -125,8 +139,11 @@ class SweepTracker:
         """The study's parent run, reused (and reopened) on resume; concurrent starters settle on the oldest."""
         parents = self._parents()
         if not parents:
-            self.client.create_run(self.experiment_id, run_name=self.study_name,
-                                   tags={**self.static_tags, f"{TAG}study": self.study_name, f"{TAG}role": "parent"})
+            self.client.create_run(
+                self.experiment_id,
+                run_name=self.study_name,
+                tags={**self.static_tags, f"{TAG}study": self.study_name, f"{TAG}role": "parent"},
+            )
             parents = self._parents()
             for extra in parents[1:]:
                 if extra.data.tags.get(f"{TAG}role") == "parent" and not self._children_of(extra.info.run_id):
@@ -147,15 +164,21 @@ class SweepTracker:
     def log_sweep(self, params: Mapping[str, Any], tags: Mapping[str, str]) -> None:
         self._log(self.parent_id, params=params, tags=tags)
 
-    def _log(self, run_id: str, *, params: Mapping[str, Any] = {}, tags: Mapping[str, str] = {},
-             metrics: Iterable[Metric] = ()) -> None:
+    def _log(
+        self,
+        run_id: str,
+        *,
+        params: Mapping[str, Any] = {},
+        tags: Mapping[str, str] = {},
+        metrics: Iterable[Metric] = (),
+    ) -> None:
         params = [Param(k, str(v)[:6000]) for k, v in params.items()]
         tags = [RunTag(k, str(v)[:8000]) for k, v in tags.items()]
         metrics = list(metrics)
         for i in range(0, max(len(params), len(tags), 1), _BATCH):
-            self.client.log_batch(run_id, params=params[i:i + _BATCH], tags=tags[i:i + _BATCH])
+            self.client.log_batch(run_id, params=params[i : i + _BATCH], tags=tags[i : i + _BATCH])
         for i in range(0, len(metrics), 1000):
-            self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
 
     def log_sweep_files(self, folder: Path, artifact_path: str) -> None:
         """A folder's files (the report) as artifacts of the parent run."""
@@ -167,25 +190,43 @@ class SweepTracker:
         now = int(time.time() * 1000)
         self._log(self.parent_id, metrics=[Metric(f"best.{k}", float(v), now, step) for k, v in values.items()])
 
-    def start_trial(self, number: int, *, params: Mapping[str, Any], tags: Mapping[str, str],
-                    label: str = "") -> str:
+    def start_trial(self, number: int, *, params: Mapping[str, Any], tags: Mapping[str, str], label: str = "") -> str:
         """Open the trial's child run before it launches (so a kill leaves a trace reconcile can close). Its name
         is the trial's number and sampled knobs (``label``), what a person scans the run list for."""
         name = f"trial-{number} {label}".strip()[:250]
-        run = self.client.create_run(self.experiment_id, run_name=name, tags={
-            **self.static_tags, "mlflow.parentRunId": self.parent_id, f"{TAG}study": self.study_name,
-            f"{TAG}role": "trial", f"{TAG}trial": str(number), **tags})
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=name,
+            tags={
+                **self.static_tags,
+                "mlflow.parentRunId": self.parent_id,
+                f"{TAG}study": self.study_name,
+                f"{TAG}role": "trial",
+                f"{TAG}trial": str(number),
+                **tags,
+            },
+        )
         self._log(run.info.run_id, params=flatten(params))
         return run.info.run_id
 
-    def finish_trial(self, run_id: str, *, failure_class: str, tags: Mapping[str, str] = {},
-                     metrics: Optional[Mapping[str, Any]] = None, run_dir: Optional[str] = None) -> Optional[str]:
+    def finish_trial(
+        self,
+        run_id: str,
+        *,
+        failure_class: str,
+        tags: Mapping[str, str] = {},
+        metrics: Mapping[str, Any] | None = None,
+        run_dir: str | None = None,
+    ) -> str | None:
         """Log the trial's outcome and close its run. If logging fails part way (a full disk, a lost server), the
         run is closed FAILED with the reason as a tag, never FINISHED without its metrics; returns the reason
         (None when all was logged)."""
         try:
-            self._log(run_id, tags={f"{TAG}failure_class": failure_class, **tags},
-                      metrics=_metrics(metrics or {}, int(time.time() * 1000)))
+            self._log(
+                run_id,
+                tags={f"{TAG}failure_class": failure_class, **tags},
+                metrics=_metrics(metrics or {}, int(time.time() * 1000)),
+            )
             if run_dir:
                 for name in ARTIFACTS:
                     path = Path(run_dir) / name
@@ -193,10 +234,8 @@ class SweepTracker:
                         self.client.log_artifact(run_id, str(path))
         except (OSError, MlflowException) as exc:
             problem = f"{type(exc).__name__}: {exc}"[:500]
-            try:
+            with contextlib.suppress(OSError, MlflowException):
                 self.client.set_tag(run_id, f"{TAG}tracking_error", problem)
-            except (OSError, MlflowException):
-                pass
             self.client.set_terminated(run_id, status="FAILED")
             return problem
         self.client.set_terminated(run_id, status=_STATUS.get(failure_class, "FAILED"))
@@ -220,8 +259,9 @@ class SweepTracker:
             run_dir = trial.user_attrs.get("run_dir")
             metrics = _result_metrics(run_dir)
             if failure_class == "ok" and not metrics:
-                self.client.set_tag(run_id, f"{TAG}tracking_error", f"the trial's metrics were not found in "
-                                                                     f"{run_dir}/result.json")
+                self.client.set_tag(
+                    run_id, f"{TAG}tracking_error", f"the trial's metrics were not found in {run_dir}/result.json"
+                )
                 self.finish_trial(run_id, failure_class="crash", tags={**tags, f"{TAG}failure_class": "ok"})
             else:
                 self.finish_trial(run_id, failure_class=failure_class, tags=tags, metrics=metrics, run_dir=run_dir)
@@ -232,7 +272,7 @@ class SweepTracker:
         self.client.set_terminated(self.parent_id, status=status)
 
 
-def _result_metrics(run_dir: Optional[str]) -> dict[str, Any]:
+def _result_metrics(run_dir: str | None) -> dict[str, Any]:
     """The metrics of a run's ``result.json`` (empty when there is none)."""
     try:
         return json.loads((Path(run_dir) / "result.json").read_text()).get("metrics") or {} if run_dir else {}
@@ -240,15 +280,19 @@ def _result_metrics(run_dir: Optional[str]) -> dict[str, Any]:
         return {}
 
 
-def log_report(*, tracking_uri: str, experiment: str, study_name: str, folder: Path) -> Optional[str]:
+def log_report(*, tracking_uri: str, experiment: str, study_name: str, folder: Path) -> str | None:
     """Log a report's files as artifacts ``report/`` of the study's parent run; its id, or None without one."""
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return None
-    runs = client.search_runs([found.experiment_id], max_results=1, run_view_type=ViewType.ACTIVE_ONLY,
-                              filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'parent'",
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [found.experiment_id],
+        max_results=1,
+        run_view_type=ViewType.ACTIVE_ONLY,
+        filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'parent'",
+        order_by=["attributes.start_time ASC"],
+    )
     if not runs:
         return None
     client.log_artifacts(runs[0].info.run_id, str(folder), "report")
@@ -263,8 +307,12 @@ def recorded_trials(*, tracking_uri: str, experiment: str, study_name: str) -> i
         found = client.get_experiment_by_name(experiment)
         if found is None:
             return 0
-        runs = client.search_runs([found.experiment_id], max_results=1000, run_view_type=ViewType.ACTIVE_ONLY,
-                                  filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'trial'")
+        runs = client.search_runs(
+            [found.experiment_id],
+            max_results=1000,
+            run_view_type=ViewType.ACTIVE_ONLY,
+            filter_string=f"tags.`{TAG}study` = '{study_name}' and tags.`{TAG}role` = 'trial'",
+        )
     return len(runs)
 
 
@@ -275,15 +323,27 @@ def export_study_runs(*, tracking_uri: str, experiment: str, study_name: str) ->
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise KeyError(f"no MLflow experiment {experiment!r} in {tracking_uri}")
-    runs = client.search_runs([found.experiment_id], filter_string=f"tags.`{TAG}study` = '{study_name}'",
-                              run_view_type=ViewType.ACTIVE_ONLY, max_results=10000)
+    runs = client.search_runs(
+        [found.experiment_id],
+        filter_string=f"tags.`{TAG}study` = '{study_name}'",
+        run_view_type=ViewType.ACTIVE_ONLY,
+        max_results=10000,
+    )
 
     def order(run) -> tuple:
         tags = run.data.tags
         return (tags.get(f"{TAG}role") != "parent", int(tags.get(f"{TAG}trial", -1)), run.info.start_time)
 
-    return [{"run_id": r.info.run_id, "run_name": r.info.run_name, "status": r.info.status,
-             "start_time": r.info.start_time, "end_time": r.info.end_time, "params": dict(r.data.params),
-             "metrics": dict(r.data.metrics), "tags": {k: v for k, v in r.data.tags.items()
-                                                       if not k.startswith("mlflow.source")}}
-            for r in sorted(runs, key=order)]
+    return [
+        {
+            "run_id": r.info.run_id,
+            "run_name": r.info.run_name,
+            "status": r.info.status,
+            "start_time": r.info.start_time,
+            "end_time": r.info.end_time,
+            "params": dict(r.data.params),
+            "metrics": dict(r.data.metrics),
+            "tags": {k: v for k, v in r.data.tags.items() if not k.startswith("mlflow.source")},
+        }
+        for r in sorted(runs, key=order)
+    ]

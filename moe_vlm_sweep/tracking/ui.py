@@ -11,16 +11,29 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from moe_vlm_sweep.tracking.mlflow_sink import default_artifact_root, default_uri
 
 
 def ui_command(outputs_dir: str | Path, *, host: str, port: int, tracking_uri: str | None = None) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-            tracking_uri or default_uri(outputs_dir), "--default-artifact-root", default_artifact_root(outputs_dir),
-            "--host", host, "--port", str(port), "--workers", "1"]
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        tracking_uri or default_uri(outputs_dir),
+        "--default-artifact-root",
+        default_artifact_root(outputs_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -32,14 +45,18 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     db = Path(args.outputs) / "mlflow.db"
     if args.tracking_uri is None and not db.exists():
-        print(f"error: {db} does not exist yet; run a sweep first (moe-vlm-sweep run -m sweep=cpu_demo)",
-              file=sys.stderr)
+        print(
+            f"error: {db} does not exist yet; run a sweep first (moe-vlm-sweep run -m sweep=cpu_demo)", file=sys.stderr
+        )
         return 2
     print(f"MLflow UI: http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
     # The server forks its own web workers: run it in its own process group and end that whole group on the way out,
     # whether we stop by Ctrl-C or by SIGTERM, so no server outlives the command.
-    proc = subprocess.Popen(ui_command(args.outputs, host=args.host, port=args.port, tracking_uri=args.tracking_uri),
-                            env=os.environ.copy(), start_new_session=True)
+    proc = subprocess.Popen(
+        ui_command(args.outputs, host=args.host, port=args.port, tracking_uri=args.tracking_uri),
+        env=os.environ.copy(),
+        start_new_session=True,
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return proc.wait()

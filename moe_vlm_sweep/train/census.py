@@ -18,12 +18,19 @@ from __future__ import annotations
 import math
 import sys
 from collections import defaultdict
-from typing import Optional
 
 import torch
 
-CENSUS_PARTS = ("vision_encoder", "projector", "decoder.embedding", "decoder.layers.attention",
-                "decoder.layers.mlp", "decoder.layers.other", "decoder.output", "other")
+CENSUS_PARTS = (
+    "vision_encoder",
+    "projector",
+    "decoder.embedding",
+    "decoder.layers.attention",
+    "decoder.layers.mlp",
+    "decoder.layers.other",
+    "decoder.output",
+    "other",
+)
 """``decoder.layers.*`` add up to the estimate's ``decoder.layers``; ``decoder.output`` is the output layer and
 the loss; ``other`` is the glue between modules (LLaVA's merge of image and text embeddings, the loss mask)."""
 
@@ -33,9 +40,12 @@ def _named_parts(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     parts = [("vision_encoder", chunk.vision_model), ("projector", chunk.vision_projection)]
     if lm is not None:
         # The language model's own saves, outside its submodules, are the loss's (after the output layer)
-        parts += [("decoder.output", lm), ("decoder.layers.other", lm.decoder),
-                  ("decoder.embedding", getattr(lm, "embedding", None)),
-                  ("decoder.output", getattr(lm, "output_layer", None))]
+        parts += [
+            ("decoder.output", lm),
+            ("decoder.layers.other", lm.decoder),
+            ("decoder.embedding", getattr(lm, "embedding", None)),
+            ("decoder.output", getattr(lm, "output_layer", None)),
+        ]
         for layer in lm.decoder.layers:
             parts += [("decoder.layers.attention", layer.self_attention), ("decoder.layers.mlp", layer.mlp)]
     return [(name, module) for name, module in parts if module is not None]
@@ -69,7 +79,7 @@ class SavedTensorCensus:
         self._weights: set[int] = set()
         self._stack: list[tuple[int, str]] = []
         self._handles: list = []
-        self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._counting = True
 
     def _part(self) -> str:
@@ -114,12 +124,16 @@ class SavedTensorCensus:
     def table(self, rows: int = 80) -> str:
         """The largest sources of saved bytes, for finding what the memory estimate leaves out."""
         ranked = sorted(self.sites.items(), key=lambda item: -item[1][1])[:rows]
-        lines = [f"{'MiB':>10}  {'tensors':>7}  {'part':<24}  {'dtype, largest shape':<32}  saved by",
-                 *(f"{nbytes / 2**20:10.2f}  {count:7d}  {part:<24}  {f'{dtype} {shape}':<32}  {line}"
-                   for (part, line, dtype), (count, nbytes, shape) in ranked)]
+        lines = [
+            f"{'MiB':>10}  {'tensors':>7}  {'part':<24}  {'dtype, largest shape':<32}  saved by",
+            *(
+                f"{nbytes / 2**20:10.2f}  {count:7d}  {part:<24}  {f'{dtype} {shape}':<32}  {line}"
+                for (part, line, dtype), (count, nbytes, shape) in ranked
+            ),
+        ]
         return "\n".join(lines) + "\n"
 
-    def __enter__(self) -> "SavedTensorCensus":
+    def __enter__(self) -> SavedTensorCensus:
         # Parameters (and the buffers megatron's DDP keeps them in) are weights, not activations.
         self._weights = {p.untyped_storage()._cdata for chunk in self.chunks for p in chunk.parameters()}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -127,10 +141,8 @@ class SavedTensorCensus:
         try:
             for chunk in self.chunks:
                 for name, module in _named_parts(chunk):
-                    self._handles.append(module.register_forward_pre_hook(
-                        lambda m, a, n=name: self._enter(n, m, a)))
-                    self._handles.append(module.register_forward_hook(
-                        lambda m, a, o, n=name: self._leave(n, m, a, o)))
+                    self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._enter(n, m, a)))
+                    self._handles.append(module.register_forward_hook(lambda m, a, o, n=name: self._leave(n, m, a, o)))
         except BaseException:
             self.__exit__(None, None, None)
             raise

@@ -18,32 +18,64 @@ import types
 import torch
 from torch.distributed import DeviceMesh
 
-_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
-                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
-_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor",
-              "empty_like", "zeros_like", "ones_like", "full_like")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "as_tensor",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+)
 # Megatron modules that use torch.cuda.current_device() as a device, literal device="cuda", CUDA streams, events,
 # synchronize or the CUDA RNG; each gets the CPU-backed torch below (patches 2, 5, 6, 7).
 _CUDA_AS_DEVICE_MODULES = (
-    "megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.utils",
-    "megatron.core.distributed.param_and_grad_buffer", "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
     "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
     "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
-    "megatron.core.distributed.fsdp.src.megatron_fsdp.utils", "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
-    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler",
-    "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.pipeline_parallel.utils", "megatron.core.transformer.utils",
-    "megatron.core.transformer.moe.moe_layer", "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.shared_experts",
-    "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.module",
-    "megatron.core.transformer.transformer_layer", "megatron.core.transformer.attention",
-    "megatron.core.transformer.dot_product_attention", "megatron.core.models.common.embeddings.rotary_pos_embedding",
-    "megatron.core.models.common.language_module.language_module", "megatron.core.models.gpt.gpt_model",
-    "megatron.core.models.multimodal.llava_model", "megatron.core.utils",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.module",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.multimodal.llava_model",
+    "megatron.core.utils",
 )
 
 _applied = False
@@ -80,12 +112,20 @@ class _CpuCuda(types.SimpleNamespace):
 def _cpu_cuda_namespace() -> _CpuCuda:
     rng = torch.Generator()  # the "CUDA" RNG megatron forks; CPU kernels draw from torch's default generator
     ns = _CpuCuda(
-        current_device=lambda: torch.device("cpu"), device_count=lambda: 0, is_available=lambda: False,
-        synchronize=lambda *a, **k: None, Stream=_NoStream, Event=_NoStream,
-        current_stream=lambda *a, **k: _NoStream(), default_stream=lambda *a, **k: _NoStream(),
-        stream=lambda *a, **k: contextlib.nullcontext(), get_rng_state=lambda *a, **k: rng.get_state(),
-        set_rng_state=lambda state, *a, **k: rng.set_state(state), manual_seed=lambda seed: rng.manual_seed(seed),
-        memory_allocated=lambda *a, **k: 0, max_memory_allocated=lambda *a, **k: 0,
+        current_device=lambda: torch.device("cpu"),
+        device_count=lambda: 0,
+        is_available=lambda: False,
+        synchronize=lambda *a, **k: None,
+        Stream=_NoStream,
+        Event=_NoStream,
+        current_stream=lambda *a, **k: _NoStream(),
+        default_stream=lambda *a, **k: _NoStream(),
+        stream=lambda *a, **k: contextlib.nullcontext(),
+        get_rng_state=lambda *a, **k: rng.get_state(),
+        set_rng_state=lambda state, *a, **k: rng.set_state(state),
+        manual_seed=lambda seed: rng.manual_seed(seed),
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
         nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None),
     )
     ns.random = types.SimpleNamespace(get_rng_state=ns.get_rng_state)
@@ -129,6 +169,7 @@ class _CpuTorch(types.ModuleType):
             if "device" in kwargs and kwargs["device"] is not None:
                 kwargs["device"] = "cpu"
             return factory(*args, **kwargs)
+
         return make
 
 
@@ -155,6 +196,7 @@ def _wrap(owner, name, around):
     def wrapped(*args, **kwargs):
         with around():
             return original(*args, **kwargs)
+
     setattr(owner, name, wrapped)
 
 
@@ -194,6 +236,7 @@ def use_torch_norm_in_clip() -> None:
         kwargs.setdefault("ln_pre_impl", WrappedTorchNorm)
         kwargs.setdefault("ln_post_impl", WrappedTorchNorm)
         original(self, *args, **kwargs)
+
     init._torch_norm = True
     CLIPViTModel.__init__ = init
 
@@ -237,13 +280,15 @@ def apply() -> None:
         if torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy() if as_numpy else tensor
         return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
     token_dispatcher.maybe_move_tensor_to_cpu = move
     # Patch 11: LLaVA asserts TE attention under sequence parallelism (for padding masks); the local causal
     # attention is exact here because the combined sequence is padded to a multiple of TP before sharding.
     llava_model.HAVE_TE, llava_model.TEDotProductAttention = True, DotProductAttention
     # Patch 12: the Megatron-FSDP adapter builds its DeviceMesh with device_type="cuda" (DTensors then move there).
     mcore_fsdp_adapter.DeviceMesh = types.SimpleNamespace(
-        from_group=lambda *a, **k: DeviceMesh.from_group(*a, **{**k, "device_type": "cpu"}))
+        from_group=lambda *a, **k: DeviceMesh.from_group(*a, **{**k, "device_type": "cpu"})
+    )
     # Patch 13: Megatron-FSDP validates its DTensor shards with a bare ``.cuda()``.
     _wrap(fsdp_buffer, "validate_uneven_dtensor", _tensor_cuda_is_identity)
     _sequence_parallel_torch_norm()
@@ -261,6 +306,7 @@ def _patch_checkpoint_without_output() -> None:
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.fp8 = False
+
     random.CheckpointWithoutOutput.__init__ = init
 
 
@@ -279,4 +325,5 @@ def _sequence_parallel_torch_norm() -> None:
         for param in norm.parameters():
             param.sequence_parallel = True
         return norm
+
     torch_norm.WrappedTorchNorm.__new__ = new

@@ -10,7 +10,8 @@ decoder from the schedules' per-micro-batch graph selection, so ``numbered`` set
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import torch
 from megatron.core.transformer.cuda_graphs import TECudaGraphHelper, _CudagraphGlobalRecord
@@ -41,23 +42,31 @@ class LLaVADecoderGraphs(TECudaGraphHelper):
         scope that graphs nothing would be measured as if it had)."""
         self.create_cudagraphs()
         if not self.graphs_created():
-            raise RuntimeError(f"cuda_graph.modules={self.config.cuda_graph_modules}: no decoder layer of this "
-                               "model is graphable under that scope")
+            raise RuntimeError(
+                f"cuda_graph.modules={self.config.cuda_graph_modules}: no decoder layer of this "
+                "model is graphable under that scope"
+            )
         return len(self.flattened_callables)
 
 
 def local_graphed_layers(chunks: Iterable[torch.nn.Module]) -> int:
     """Decoder layers under ``cuda_graph.impl=local`` whose graphs megatron created at the end of the first
     step; 0 raises, for the same reason as :meth:`LLaVADecoderGraphs.capture`."""
-    layers = [layer for lm in language_models(chunks) if lm is not None for layer in lm.decoder.layers
-              if hasattr(layer, "cudagraph_manager")]
+    layers = [
+        layer
+        for lm in language_models(chunks)
+        if lm is not None
+        for layer in lm.decoder.layers
+        if hasattr(layer, "cudagraph_manager")
+    ]
     if not layers or not _CudagraphGlobalRecord.cudagraph_created:
-        raise RuntimeError("cuda_graph.impl=local: megatron-core created no CUDA graph of any decoder layer in "
-                           "the first step")
+        raise RuntimeError(
+            "cuda_graph.impl=local: megatron-core created no CUDA graph of any decoder layer in the first step"
+        )
     return len(layers)
 
 
-def numbered(microbatches: Iterable[T], chunk: torch.nn.Module) -> Iterator[T]:
+def numbered[T](microbatches: Iterable[T], chunk: torch.nn.Module) -> Iterator[T]:
     """Yield the micro-batches of one chunk, telling its decoder layers which one runs next: a TE-graphed layer
     replays the graph (and static buffers) of that micro-batch, as megatron's ``set_current_microbatch`` does
     for GPT models."""

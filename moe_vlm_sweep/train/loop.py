@@ -14,10 +14,11 @@ import contextlib
 import gc
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ class TrainResult:
     batches: list[BatchTokens] = field(default_factory=list)
     """Per step, over the world (summed over data-parallel ranks): the real and padded tokens the step's FLOPs
     and token rates are computed from."""
-    split_seconds: Optional[dict[str, float]] = None
+    split_seconds: dict[str, float] | None = None
     """Mean seconds per profiling step per phase, or None without profiling steps."""
     graphed_layers: int = 0
     """Decoder layers (per rank) replaying TE CUDA graphs in the measured steps."""
@@ -65,9 +66,9 @@ class TrainResult:
     """Seconds of each warm-up step, timed like a measured one (synced, without fetching data)."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
-    saved_activation_bytes: Optional[dict[str, int]] = None
+    saved_activation_bytes: dict[str, int] | None = None
     """The census step's count of bytes saved for backward, per part (None without a census step)."""
-    saved_tensor_sources: Optional[str] = None
+    saved_tensor_sources: str | None = None
     """The census step's largest sources of saved bytes, as a table (``saved_tensors.txt``)."""
 
 
@@ -113,8 +114,10 @@ def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):
     config = chunks[0].config
     bf16, fsdp = plan.precision == "bf16", cfg.parallel.strategy == "fsdp"
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, overlap_param_gather=cfg.parallel.overlap_param_gather,
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
         use_megatron_fsdp=fsdp,
         data_parallel_sharding_strategy=cfg.parallel.fsdp_sharding if fsdp else "no_shard",
         gradient_reduce_div_fusion=plan.device == "cuda",  # gloo has no PREMUL_SUM
@@ -129,8 +132,15 @@ def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):
         else:  # later chunks of an interleaved pipeline share the first chunk's bucketing (as Megatron-LM does)
             models.append(DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0))
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=cfg.train.lr, weight_decay=0.0, clip_grad=1.0, bf16=bf16,
-                        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.train.lr,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=True,
+        ),
         models,
     )
     config.finalize_model_grads_func = finalize_model_grads
@@ -143,6 +153,7 @@ def _set_sync_funcs(config: Any, models: list, parallel: ParallelConf) -> None:
     """What the pipeline schedules call to overlap data-parallel communication, set as Megatron-LM's training
     setup sets them (its defaults: gradients aligned, parameter gathers left to the modules' forward hooks): no
     gradient sync until the last micro-batch, then bucket by bucket as backward fills them."""
+
     def one_or_list(funcs: list) -> Any:
         return funcs[0] if len(funcs) == 1 else funcs
 
@@ -169,20 +180,34 @@ def packed_inputs(mb: MicroBatch, seq_length: int, transformer_impl: str) -> dic
     if not mb.packed:
         return {"attention_mask": None}
     if int(mb.decoder_lengths.max()) > seq_length:  # RoPE's table has seq_length rows; nothing else would check
-        raise ValueError(f"a packed sample has {int(mb.decoder_lengths.max())} decoder tokens, more than the "
-                         f"plan's seq_length={seq_length}")
+        raise ValueError(
+            f"a packed sample has {int(mb.decoder_lengths.max())} decoder tokens, more than the "
+            f"plan's seq_length={seq_length}"
+        )
     if transformer_impl != "transformer_engine":
         return {"attention_mask": mb.block_causal_mask()}
-    return {"attention_mask": None, "packed_seq_params": PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens, max_seqlen_q=seq_length,
-        max_seqlen_kv=seq_length)}
+    return {
+        "attention_mask": None,
+        "packed_seq_params": PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb.cu_seqlens,
+            cu_seqlens_kv=mb.cu_seqlens,
+            max_seqlen_q=seq_length,
+            max_seqlen_kv=seq_length,
+        ),
+    }
 
 
 def _forward_step(plan: RunPlan, data_iterator, model):
     mb: MicroBatch = next(data_iterator)
-    output, loss_mask = model(images=mb.images, input_ids=mb.input_ids, position_ids=mb.position_ids,
-                              labels=mb.labels, loss_mask=mb.loss_mask,
-                              **packed_inputs(mb, plan.seq_length, plan.transformer_impl))
+    output, loss_mask = model(
+        images=mb.images,
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        labels=mb.labels,
+        loss_mask=mb.loss_mask,
+        **packed_inputs(mb, plan.seq_length, plan.transformer_impl),
+    )
     return output, partial(_loss_func, loss_mask)
 
 
@@ -230,8 +255,11 @@ def _hook_components(chunks, clock: _PhaseClock) -> list:
             out.register_hook(lambda grad: clock.mark(f"{name}.backward"))
 
     for chunk in chunks:
-        for name, module in (("vision_encoder", chunk.vision_model), ("projector", chunk.vision_projection),
-                             ("decoder", chunk.language_model)):
+        for name, module in (
+            ("vision_encoder", chunk.vision_model),
+            ("projector", chunk.vision_projection),
+            ("decoder", chunk.language_model),
+        ):
             if module is None:
                 continue
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name: clock.mark(f"{n}.forward")))
@@ -247,14 +275,15 @@ class Trainer:
         self.config = chunks[0].config
         self.forward_backward = get_forward_backward_func()
         self.image_dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
-        self.loss_owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                           and parallel_state.get_tensor_model_parallel_rank() == 0
-                           and parallel_state.get_context_parallel_rank() == 0)
+        self.loss_owner = (
+            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+        )
 
     def _fetch(self, step: int) -> list[MicroBatch]:
         """The step's micro-batches, on the device (what a prefetching loader hands over)."""
-        return [mb.to(self.plan.device, self.image_dtype)
-                for mb in self.source.step(step, self.plan.num_microbatches)]
+        return [mb.to(self.plan.device, self.image_dtype) for mb in self.source.step(step, self.plan.num_microbatches)]
 
     def _step(self, microbatches: list[MicroBatch]) -> None:
         iterators = [numbered(microbatches, model) for model in self.models]
@@ -264,15 +293,25 @@ class Trainer:
         self._losses = self.forward_backward(
             forward_step_func=partial(_forward_step, self.plan),
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.models, num_microbatches=self.plan.num_microbatches, seq_length=self.plan.seq_length,
-            micro_batch_size=self.cfg.batch.mbs, decoder_seq_length=self.plan.seq_length, forward_only=False)
+            model=self.models,
+            num_microbatches=self.plan.num_microbatches,
+            seq_length=self.plan.seq_length,
+            micro_batch_size=self.cfg.batch.mbs,
+            decoder_seq_length=self.plan.seq_length,
+            forward_only=False,
+        )
         self.optimizer.step()
 
     def _capture_graphs(self) -> int:
         """TE CUDA graphs of the decoder layers under ``cuda_graph.modules``; megatron's helper resets the grad
         buffers and optimizer grads after capture, so the next step starts clean."""
-        helper = LLaVADecoderGraphs(self.models, self.config, seq_length=self.plan.seq_length,
-                                    micro_batch_size=self.cfg.batch.mbs, optimizers=[self.optimizer])
+        helper = LLaVADecoderGraphs(
+            self.models,
+            self.config,
+            seq_length=self.plan.seq_length,
+            micro_batch_size=self.cfg.batch.mbs,
+            optimizers=[self.optimizer],
+        )
         return helper.capture()
 
     def _reduce(self, step: int, microbatches: list[MicroBatch], result: TrainResult) -> None:
@@ -281,14 +320,24 @@ class Trainer:
         if self.loss_owner:
             for reduced in self._losses:
                 loss += reduced["lm loss"].detach().to("cpu", torch.float64)
-        local = BatchTokens.total([BatchTokens.from_lengths(mb.decoder_lengths.tolist(), images=mb.images.shape[0],
-                                                            seq_length=self.plan.seq_length, packed=mb.packed)
-                                   for mb in microbatches])
+        local = BatchTokens.total(
+            [
+                BatchTokens.from_lengths(
+                    mb.decoder_lengths.tolist(),
+                    images=mb.images.shape[0],
+                    seq_length=self.plan.seq_length,
+                    packed=mb.packed,
+                )
+                for mb in microbatches
+            ]
+        )
         # Summed over replicas in float64: exact up to 2**53 (attention pairs grow as gbs * seq_length**2 / 2).
         counts = torch.tensor([getattr(local, name) for name in SUMMED_FIELDS], dtype=torch.float64)
-        first_of_replica = (parallel_state.get_tensor_model_parallel_rank() == 0
-                            and parallel_state.get_pipeline_model_parallel_rank() == 0
-                            and parallel_state.get_context_parallel_rank() == 0)
+        first_of_replica = (
+            parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_pipeline_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+        )
         payload = torch.cat([loss, counts if first_of_replica else torch.zeros_like(counts)])
         if self.plan.device == "cuda":
             payload = payload.cuda()
@@ -298,12 +347,20 @@ class Trainer:
         if not math.isfinite(value):
             raise NonFiniteLoss(f"loss is {value} at step {step}")
         result.losses.append(value)
-        result.batches.append(BatchTokens(**{name: float(v) for name, v in zip(SUMMED_FIELDS, payload[2:])},
-                                          seq_length=self.plan.seq_length, packed=local.packed))
+        result.batches.append(
+            BatchTokens(
+                **{name: float(v) for name, v in zip(SUMMED_FIELDS, payload[2:])},
+                seq_length=self.plan.seq_length,
+                packed=local.packed,
+            )
+        )
 
-    def run(self, on_step: Callable[[int], None] = lambda step: None,
-            trace_dir: Optional[Path] = None,
-            on_measured: Callable[[float, BatchTokens], None] = lambda seconds, batch: None) -> TrainResult:
+    def run(
+        self,
+        on_step: Callable[[int], None] = lambda step: None,
+        trace_dir: Path | None = None,
+        on_measured: Callable[[float, BatchTokens], None] = lambda seconds, batch: None,
+    ) -> TrainResult:
         """Warmup and measured steps, a census step, profile steps; with ``trace_dir``, torch.profiler covers the
         profile steps. ``on_measured`` gets each measured step's time and tokens as soon as it is known."""
         t = self.cfg.train
@@ -311,8 +368,9 @@ class Trainer:
         for model in self.models:
             model.train()
         census = t.activation_census and self.cfg.cuda_graph.impl == "none"
-        schedule = (["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["census"] * census
-                    + ["profile"] * t.profile_steps)  # the census before the profiling hooks, which stay on
+        schedule = (
+            ["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["census"] * census + ["profile"] * t.profile_steps
+        )  # the census before the profiling hooks, which stay on
         clock = _PhaseClock(self.plan.device)
         handles: list = []
         tracing = contextlib.ExitStack()
@@ -371,7 +429,7 @@ class Trainer:
             result.split_seconds = {k: v / t.profile_steps for k, v in clock.seconds().items()}
         return result
 
-    def _census_step(self, microbatches: list[MicroBatch]) -> tuple[Optional[dict[str, int]], str]:
+    def _census_step(self, microbatches: list[MicroBatch]) -> tuple[dict[str, int] | None, str]:
         """One step under the census. It runs after the timed steps, so if a library on some machine rejects
         saved-tensor hooks, the run keeps its results and says why the census is missing. Running out of memory
         is the config's, not the census's: it fails the run as any step would."""
@@ -380,7 +438,7 @@ class Trainer:
                 self._step(microbatches)
         except torch.OutOfMemoryError:
             raise
-        except Exception as exc:  # noqa: BLE001 -- the census is an optional measurement
+        except Exception as exc:
             return None, f"the census step failed: {type(exc).__name__}: {exc}\n"
         return counted.bytes, counted.table()
 
@@ -418,5 +476,8 @@ def _progress_line(step: int, steps: int, phase: str, elapsed: float, result: Tr
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     tokens = result.batches[-1].real_tokens if result.batches else 0.0
-    print(f"[step {step + 1}/{steps} {phase}] {elapsed * 1e3:.1f} ms, {tokens / max(elapsed, 1e-9):.0f} real tok/s, "
-          f"loss {result.losses[-1]:.4f}", flush=True)
+    print(
+        f"[step {step + 1}/{steps} {phase}] {elapsed * 1e3:.1f} ms, {tokens / max(elapsed, 1e-9):.0f} real tok/s, "
+        f"loss {result.losses[-1]:.4f}",
+        flush=True,
+    )

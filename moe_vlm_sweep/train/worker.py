@@ -26,7 +26,6 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import torch
@@ -61,8 +60,10 @@ def preflight(plan: RunPlan) -> None:
     """Machine-dependent checks; each message names the knob, its value and what is missing."""
     cfg, problems = plan.run_config, []
     if plan.device == "cuda" and not torch.cuda.is_available():
-        problems.append(f"hardware.device='cuda' needs a CUDA GPU, but torch.cuda.is_available() is False on "
-                        f"{platform.node()} (torch {torch.__version__}, CUDA build {torch.version.cuda})")
+        problems.append(
+            f"hardware.device='cuda' needs a CUDA GPU, but torch.cuda.is_available() is False on "
+            f"{platform.node()} (torch {torch.__version__}, CUDA build {torch.version.cuda})"
+        )
     if plan.device == "cpu" and cfg.cuda_graph.impl != "none":
         problems.append(f"cuda_graph.impl={cfg.cuda_graph.impl!r} needs a CUDA GPU; hardware.device is 'cpu'")
     needs = []
@@ -72,8 +73,13 @@ def preflight(plan: RunPlan) -> None:
         needs.append(("fusions.gradient_accumulation=true", "fused_weight_gradient_mlp_cuda", None))
     if cfg.dispatcher.token_dispatcher == "flex":
         attr = "HybridEPBuffer" if cfg.dispatcher.flex_backend == "hybridep" else None
-        needs.append((f"dispatcher.token_dispatcher='flex' with dispatcher.flex_backend="
-                      f"{cfg.dispatcher.flex_backend!r}", "deep_ep", attr))
+        needs.append(
+            (
+                f"dispatcher.token_dispatcher='flex' with dispatcher.flex_backend={cfg.dispatcher.flex_backend!r}",
+                "deep_ep",
+                attr,
+            )
+        )
     for knob, package, attr in needs:
         try:
             module = importlib.import_module(package)
@@ -93,8 +99,10 @@ def preflight(plan: RunPlan) -> None:
                 problems.append(message)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.layout.world_size:
-        problems.append(f"the plan's layout needs world_size={plan.layout.world_size} processes "
-                        f"(launcher.nproc_per_node * launcher.nnodes), but WORLD_SIZE={world}")
+        problems.append(
+            f"the plan's layout needs world_size={plan.layout.world_size} processes "
+            f"(launcher.nproc_per_node * launcher.nnodes), but WORLD_SIZE={world}"
+        )
     if problems:
         raise PreflightError("; ".join(problems))
 
@@ -112,23 +120,28 @@ def init_distributed(plan: RunPlan) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if plan.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = timedelta(seconds=plan.run_config.train.timeout_s)
-    dist.init_process_group("nccl" if plan.device == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=timeout)
+    dist.init_process_group("nccl" if plan.device == "cuda" else "gloo", rank=rank, world_size=world, timeout=timeout)
     p, cfg = plan.layout, plan.run_config
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None, context_parallel_size=p.cp,
-        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp,
+    )
     # CPU initialisation draws from torch's default generator: the same seed everywhere keeps replicas equal.
     torch.manual_seed(cfg.train.seed)
-    model_parallel_cuda_manual_seed(cfg.train.seed, te_rng_tracker=plan.graph_rng == "te",
-                                    use_cudagraphable_rng=plan.graph_rng == "cudagraphable")
+    model_parallel_cuda_manual_seed(
+        cfg.train.seed, te_rng_tracker=plan.graph_rng == "te", use_cudagraphable_rng=plan.graph_rng == "cudagraphable"
+    )
     init_num_microbatches_calculator(rank, None, cfg.batch.gbs, cfg.batch.mbs, p.dp)
 
 
@@ -180,7 +193,7 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def step_rates(plan: RunPlan, batch, seconds: float, peak_tflops: float, flops: Optional[dict] = None) -> dict:
+def step_rates(plan: RunPlan, batch, seconds: float, peak_tflops: float, flops: dict | None = None) -> dict:
     """The throughput fields of ``metrics.json`` for a step of ``batch`` taking ``seconds``: of the run (its mean
     batch, its median step) and of each measured step as it ends (``progress.jsonl``)."""
     from moe_vlm_sweep.model.flops import step_flops
@@ -189,12 +202,16 @@ def step_rates(plan: RunPlan, batch, seconds: float, peak_tflops: float, flops: 
     flops = flops or step_flops(plan.run_config, batch, transformer_impl=plan.transformer_impl)
     model_tflops = flops["total"].model / seconds / world / 1e12
     hardware_tflops = flops["total"].hardware / seconds / world / 1e12
-    return {"tokens_per_s": batch.padded_tokens / seconds,
-            "tokens_per_s_per_gpu": batch.padded_tokens / seconds / world,
-            "effective_tokens_per_s": batch.real_tokens / seconds,
-            "effective_tokens_per_s_per_gpu": batch.real_tokens / seconds / world,
-            "model_tflops_per_s_per_gpu": model_tflops, "hardware_tflops_per_s_per_gpu": hardware_tflops,
-            "mfu": model_tflops / peak_tflops, "hfu": hardware_tflops / peak_tflops}
+    return {
+        "tokens_per_s": batch.padded_tokens / seconds,
+        "tokens_per_s_per_gpu": batch.padded_tokens / seconds / world,
+        "effective_tokens_per_s": batch.real_tokens / seconds,
+        "effective_tokens_per_s_per_gpu": batch.real_tokens / seconds / world,
+        "model_tflops_per_s_per_gpu": model_tflops,
+        "hardware_tflops_per_s_per_gpu": hardware_tflops,
+        "mfu": model_tflops / peak_tflops,
+        "hfu": hardware_tflops / peak_tflops,
+    }
 
 
 class _Progress:
@@ -208,14 +225,22 @@ class _Progress:
         if dist.get_rank() != 0:
             return
         self.measured += 1
-        line = {"measured_step": self.measured, "step_time_s": seconds,
-                **step_rates(self.plan, batch, seconds, self.peak)}
+        line = {
+            "measured_step": self.measured,
+            "step_time_s": seconds,
+            **step_rates(self.plan, batch, seconds, self.peak),
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
-def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[float, str],
-                  startup_s: Optional[dict[str, float]] = None) -> Metrics:
+def build_metrics(
+    plan: RunPlan,
+    result,
+    peak: tuple[float, str],
+    memory: tuple[float, str],
+    startup_s: dict[str, float] | None = None,
+) -> Metrics:
     from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
 
     cfg = plan.run_config
@@ -230,33 +255,62 @@ def build_metrics(plan: RunPlan, result, peak: tuple[float, str], memory: tuple[
         # A component that did not run (no images, or no backward when frozen) reads 0, not missing.
         seconds = {f"{c}.{d}": 0.0 for c in COMPONENTS for d in ("forward", "backward")} | result.split_seconds
         total = sum(seconds.values())
-        split = ComponentSplit(seconds=seconds, shares={k: v / total for k, v in seconds.items()},
-                               profile_steps=cfg.train.profile_steps, measured_on="rank 0 (first pipeline stage)")
-    layout = {**dataclasses.asdict(plan.layout), "strategy": cfg.parallel.strategy,
-              "fsdp_sharding": cfg.parallel.fsdp_sharding if cfg.parallel.strategy == "fsdp" else None,
-              "num_microbatches": plan.num_microbatches, "mbs": cfg.batch.mbs, "gbs": cfg.batch.gbs,
-              "seq_length": plan.seq_length, "precision": plan.precision, "transformer_impl": plan.transformer_impl,
-              "token_dispatcher": cfg.dispatcher.token_dispatcher, "recompute": cfg.recompute.granularity}
+        split = ComponentSplit(
+            seconds=seconds,
+            shares={k: v / total for k, v in seconds.items()},
+            profile_steps=cfg.train.profile_steps,
+            measured_on="rank 0 (first pipeline stage)",
+        )
+    layout = {
+        **dataclasses.asdict(plan.layout),
+        "strategy": cfg.parallel.strategy,
+        "fsdp_sharding": cfg.parallel.fsdp_sharding if cfg.parallel.strategy == "fsdp" else None,
+        "num_microbatches": plan.num_microbatches,
+        "mbs": cfg.batch.mbs,
+        "gbs": cfg.batch.gbs,
+        "seq_length": plan.seq_length,
+        "precision": plan.precision,
+        "transformer_impl": plan.transformer_impl,
+        "token_dispatcher": cfg.dispatcher.token_dispatcher,
+        "recompute": cfg.recompute.granularity,
+    }
     padded, real = measured.padded_tokens, measured.real_tokens
     return Metrics(
-        data_realism=cfg.data.realism, hardware=cfg.hardware.name, device=plan.device, layout=layout,
+        data_realism=cfg.data.realism,
+        hardware=cfg.hardware.name,
+        device=plan.device,
+        layout=layout,
         recipe=(plan.recipe or {}).get("fingerprint"),
-        step_time_s=StepTimes(median=median, p10=_quantile(times, 0.1), p90=_quantile(times, 0.9), mean=mean,
-                              cv=statistics.pstdev(times) / mean if mean else 0.0, steps=times),
-        **r, padded_tokens_per_step=padded, real_tokens_per_step=real, flops_per_step=flops,
-        peak_tflops=peak[0], peak_source=peak[1],
-        peak_memory_gib=memory[0], peak_memory_source=memory[1],
+        step_time_s=StepTimes(
+            median=median,
+            p10=_quantile(times, 0.1),
+            p90=_quantile(times, 0.9),
+            mean=mean,
+            cv=statistics.pstdev(times) / mean if mean else 0.0,
+            steps=times,
+        ),
+        **r,
+        padded_tokens_per_step=padded,
+        real_tokens_per_step=real,
+        flops_per_step=flops,
+        peak_tflops=peak[0],
+        peak_source=peak[1],
+        peak_memory_gib=memory[0],
+        peak_memory_source=memory[1],
         predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
         loss=Loss(values=result.losses, phases=result.phases),
-        cuda_alloc_conf=os.environ.get(ALLOC_CONF_ENVS[0]), wall_s={**(startup_s or {}), **result.wall_s},
+        cuda_alloc_conf=os.environ.get(ALLOC_CONF_ENVS[0]),
+        wall_s={**(startup_s or {}), **result.wall_s},
         warmup_step_time_s=result.warmup_step_times,
-        gc_in_measured_steps=result.gc_in_measured_steps, graphed_layers=result.graphed_layers,
-        component_split=split, saved_activations=_saved_activations(plan, result.saved_activation_bytes),
+        gc_in_measured_steps=result.gc_in_measured_steps,
+        graphed_layers=result.graphed_layers,
+        component_split=split,
+        saved_activations=_saved_activations(plan, result.saved_activation_bytes),
         accounting_notes=list(ACCOUNTING_NOTES),
     )
 
 
-def _saved_activations(plan: RunPlan, measured: Optional[dict[str, int]]) -> Optional[SavedActivations]:
+def _saved_activations(plan: RunPlan, measured: dict[str, int] | None) -> SavedActivations | None:
     """The census next to the estimate's parts, in the run's precision, for the micro-batches in flight."""
     if measured is None:
         return None
@@ -264,21 +318,22 @@ def _saved_activations(plan: RunPlan, measured: Optional[dict[str, int]]) -> Opt
     in_flight = microbatches_in_flight(cfg)
     parts = activation_parts(cfg, sharded_seq_length(cfg), ELEMENT_BYTES[plan.precision])
     predicted = {part: in_flight * value / GIB for part, value in parts.items()}
-    return SavedActivations(measured_gib={**{k: v / GIB for k, v in measured.items()},
-                                          "total": sum(measured.values()) / GIB},
-                            predicted_gib={**predicted, "total": sum(predicted.values())},
-                            microbatches_in_flight=in_flight)
+    return SavedActivations(
+        measured_gib={**{k: v / GIB for k, v in measured.items()}, "total": sum(measured.values()) / GIB},
+        predicted_gib={**predicted, "total": sum(predicted.values())},
+        microbatches_in_flight=in_flight,
+    )
 
 
 OOM_MESSAGES = (
-    "out of memory",              # torch.OutOfMemoryError, "CUDA error: out of memory", NCCL's "Cuda failure 'out
-                                  # of memory'", TE's and cuDNN frontend's wording
-    "failed to cuda calloc",      # NCCL allocating its buffers: "Failed to CUDA calloc async 24 bytes"
+    "out of memory",  # torch.OutOfMemoryError, "CUDA error: out of memory", NCCL's "Cuda failure 'out
+    # of memory'", TE's and cuDNN frontend's wording
+    "failed to cuda calloc",  # NCCL allocating its buffers: "Failed to CUDA calloc async 24 bytes"
     "cudaerrormemoryallocation",  # the CUDA runtime's name (TE's checks, NCCL's "unhandled cuda error" details)
-    "cuda_error_out_of_memory",   # the driver API's name (TE's cuda-python and NVRTC paths)
-    "cublas_status_alloc_failed", # a cuBLAS workspace
+    "cuda_error_out_of_memory",  # the driver API's name (TE's cuda-python and NVRTC paths)
+    "cublas_status_alloc_failed",  # a cuBLAS workspace
     "cudnn_status_alloc_failed",  # a cuDNN workspace
-    "can't allocate memory",      # PyTorch's CPU allocator (DefaultCPUAllocator)
+    "can't allocate memory",  # PyTorch's CPU allocator (DefaultCPUAllocator)
 )
 """How each library says it ran out of memory, lower case. An out-of-memory is a property of the config (the
 sampler learns to avoid it), whichever library met it first: the same packed MBS failed inside NCCL on an H100
@@ -342,17 +397,24 @@ def run(run_dir: Path) -> None:
     init_distributed(plan)
     cfg = plan.run_config
     peak = measure_peak_tflops(plan)
-    source = make_source(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs,
-                         dp_rank=parallel_state.get_data_parallel_rank(),
-                         dp_size=parallel_state.get_data_parallel_world_size())
+    source = make_source(
+        cfg.model,
+        cfg.data,
+        micro_batch_size=cfg.batch.mbs,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
     clock.mark("init")
     with training_stream(plan):
         chunks = build_model_chunks(plan)
         clock.mark("build")
         trainer = Trainer(plan, chunks, source)
         clock.mark("wrap")
-        result = trainer.run(on_step=_note_step, trace_dir=run_dir if cfg.train.trace else None,
-                             on_measured=_Progress(plan, run_dir, peak[0]))
+        result = trainer.run(
+            on_step=_note_step,
+            trace_dir=run_dir if cfg.train.trace else None,
+            on_measured=_Progress(plan, run_dir, peak[0]),
+        )
     memory = _peak_memory_gib(plan)
     result.step_times = _slowest_rank(result.step_times, plan)
     result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
@@ -360,11 +422,14 @@ def run(run_dir: Path) -> None:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
         path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, clock.seconds))
-        print(f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
-              f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
+        print(
+            f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
+            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
+            flush=True,
+        )
 
 
-_current_step: Optional[int] = None
+_current_step: int | None = None
 
 
 def _note_step(step: int) -> None:
@@ -379,11 +444,20 @@ def skip_jax() -> None:
     sys.modules.setdefault("jax", None)
 
 
-PRELOAD = ("torch.distributed", "megatron.core", "megatron.core.parallel_state",
-           "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
-           "megatron.core.distributed", "moe_vlm_sweep.train.cpu_compat", "moe_vlm_sweep.train.loop",
-           "moe_vlm_sweep.model.build", "moe_vlm_sweep.model.flops", "moe_vlm_sweep.data",
-           "moe_vlm_sweep.plan.rules")
+PRELOAD = (
+    "torch.distributed",
+    "megatron.core",
+    "megatron.core.parallel_state",
+    "megatron.core.models.multimodal.llava_model",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "moe_vlm_sweep.train.cpu_compat",
+    "moe_vlm_sweep.train.loop",
+    "moe_vlm_sweep.model.build",
+    "moe_vlm_sweep.model.flops",
+    "moe_vlm_sweep.data",
+    "moe_vlm_sweep.plan.rules",
+)
 """What a warm trial host imports once for all its trials: everything :func:`run` imports, lazily or not."""
 
 
@@ -398,13 +472,22 @@ def main(argv: list[str]) -> int:
     run_dir = Path(argv[1])
     try:
         run(run_dir)
-    except BaseException as exc:  # noqa: BLE001 -- every failure must leave failure.json
+    except BaseException as exc:
         rank = int(os.environ.get("RANK", "0"))
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
         if not (run_dir / FAILURE_FILE).exists():  # keep the first rank's cause, not a peer's broken pipe
-            write_failure(run_dir, Failure(failure_class=classify(exc), exception_type=type(exc).__name__,
-                                           message=str(exc), rank=rank, step=_current_step, traceback=tb))
+            write_failure(
+                run_dir,
+                Failure(
+                    failure_class=classify(exc),
+                    exception_type=type(exc).__name__,
+                    message=str(exc),
+                    rank=rank,
+                    step=_current_step,
+                    traceback=tb,
+                ),
+            )
         return 1
     finally:
         if dist.is_initialized():
