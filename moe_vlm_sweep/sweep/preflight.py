@@ -12,6 +12,7 @@ since a value that breaks one only in some combinations is a trial the sampler l
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ _COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)
 
 def _is_number(tp: Any) -> bool:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) is typing.Union:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return len(args) == 1 and _is_number(args[0])
     return tp in (int, float)
 
@@ -39,7 +40,7 @@ def metric_fields(tp: Any = Metrics, prefix: str = "") -> Iterator[str]:
     """The numeric fields of ``metrics.json``, dotted (``step_time_s.median``; ``KEY`` where a mapping's key is
     free, as in ``wall_s.KEY``)."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) is typing.Union and len(args) == 1:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
         tp = args[0]
     if _is_number(tp):
         yield prefix.rstrip(".")
