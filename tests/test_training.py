@@ -98,6 +98,11 @@ def test_trace_covers_the_profile_steps(run_cli):
     kernels = (run_dir / "kernels.txt").read_text()
     assert "aten::" in kernels and "Self CPU" in kernels
     assert '"traceEvents"' in (run_dir / "trace.json").read_text()
+    copies = (run_dir / "copies.txt").read_text().splitlines()
+    assert copies[0].startswith("copy and cast ops by call site (cpu self time")
+    # each site names an op and the project's or a library's frames that issued it
+    sites = [i for i, line in enumerate(copies) if " calls  aten::" in line]
+    assert sites and any(".py(" in line for line in copies[sites[0] + 1 :])
 
 
 def test_loss_falls_on_a_fixed_batch(run_cli):

@@ -35,6 +35,7 @@ ARTIFACTS = (
     "failure.json",
     "result.json",
     "kernels.txt",
+    "copies.txt",
 )
 _STATUS = {"ok": "FINISHED", "interrupted": "KILLED", "duplicate": "KILLED", "surplus": "KILLED"}
 """MLflow run status per failure class: KILLED for trials that never ran to the end without being at fault."""

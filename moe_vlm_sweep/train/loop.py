@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -215,14 +216,50 @@ def _profiler(device: str) -> torch.profiler.profile:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities)
+    # with_stack: the Python frames of each op, so copies and casts can be traced to the code that made them
+    # (the verbose config is what fills each event's stack in torch's Kineto profiler)
+    return torch.profiler.profile(
+        activities=activities, with_stack=True, experimental_config=torch.profiler._ExperimentalConfig(verbose=True)
+    )
+
+
+# Ops that move or cast memory without computing: where a kernel-bound step's avoidable time hides.
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::index_select")
+
+
+def _call_site(event) -> tuple[str, ...]:
+    """Where an op came from: the autograd function whose backward ran it (a backward op's Python stack is only
+    the engine's), else the innermost Python frames of the op or of its nearest caller op that has them (a
+    bound method's frame names its object's address, dropped so that one call site is one row)."""
+    ancestor = event
+    while ancestor is not None:
+        if ancestor.name.startswith("autograd::engine::evaluate_function: "):
+            return ("backward of " + ancestor.name.rsplit(": ", 1)[1],)
+        if ancestor.stack:
+            via = () if ancestor is event else (f"inside {ancestor.name}",)
+            return via + tuple(re.sub(r" at 0x[0-9a-f]+", "", frame) for frame in ancestor.stack[:6])
+        ancestor = ancestor.cpu_parent
+    return ("(no caller recorded: an op issued from C++ alone)",)
 
 
 def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str) -> None:
-    """``trace.json`` (open in Perfetto or chrome://tracing) and ``kernels.txt`` (ops by self device time)."""
+    """``trace.json`` (open in Perfetto or chrome://tracing), ``kernels.txt`` (ops by self device time) and
+    ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site that issued them)."""
     profiler.export_chrome_trace(str(trace_dir / "trace.json"))
     sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     (trace_dir / "kernels.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+    sites: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for e in profiler.events():
+        if e.name in COPY_OPS:
+            site = sites.setdefault((e.name, _call_site(e)), [0.0, 0])
+            site[0] += e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
+            site[1] += 1
+    total = sum(own for own, _ in sites.values())
+    lines = [f"copy and cast ops by call site ({device} self time, all profiled steps): {total / 1e3:.1f} ms"]
+    for (op, frames), (own, count) in sorted(sites.items(), key=lambda item: -item[1][0])[:30]:
+        lines.append(f"\n{own / 1e3:9.2f} ms  {count:6d} calls  {op}")
+        lines += [f"    {frame}" for frame in frames]
+    (trace_dir / "copies.txt").write_text("\n".join(lines) + "\n")
 
 
 class _PhaseClock:
