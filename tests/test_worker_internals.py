@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,37 @@ def test_failure_round_trip_and_class_check(tmp_path):
     assert read_failure(tmp_path) == failure
     with pytest.raises(ValueError, match="failure_class='segfault'"):
         Failure(failure_class="segfault", exception_type="X", message="", rank=0, step=None, traceback="")
+
+
+def _fail_at_once(run_dir: Path, rank: int, start, results) -> None:
+    failure = Failure(
+        failure_class="crash", exception_type="E", message=f"rank {rank}", rank=rank, step=1, traceback=""
+    )
+    start.wait()
+    results.put((rank, write_failure(run_dir, failure).name))
+
+
+def test_the_first_of_ranks_failing_at_once_is_the_cause_and_the_others_are_kept(tmp_path):
+    """Ranks in separate processes fail at the same moment, many times over: in each run exactly one rank's
+    failure is failure.json (the one whose write said so), and every other rank's is kept beside it."""
+    ranks, rounds = 6, 15
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(rounds):
+        run_dir = tmp_path / str(attempt)
+        run_dir.mkdir()
+        start, results = ctx.Barrier(ranks), ctx.Queue()
+        procs = [ctx.Process(target=_fail_at_once, args=(run_dir, r, start, results)) for r in range(ranks)]
+        for proc in procs:
+            proc.start()
+        written = dict(results.get(timeout=30) for _ in range(ranks))
+        for proc in procs:
+            proc.join(timeout=30)
+        winners = [rank for rank, name in written.items() if name == "failure.json"]
+        assert len(winners) == 1, f"round {attempt}: {written}"
+        assert read_failure(run_dir).rank == winners[0]
+        for rank in set(range(ranks)) - set(winners):
+            assert json.loads((run_dir / f"failure.rank{rank}.json").read_text())["message"] == f"rank {rank}"
+        assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []  # no temporary left
 
 
 def test_atomic_write_never_leaves_partial_files(tmp_path):

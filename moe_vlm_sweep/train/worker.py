@@ -37,7 +37,6 @@ from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
 from moe_vlm_sweep.launch.warm_host import serve
 from moe_vlm_sweep.metrics.schema import (
     COMPONENTS,
-    FAILURE_FILE,
     ComponentSplit,
     Failure,
     Loss,
@@ -476,18 +475,17 @@ def main(argv: list[str]) -> int:
         rank = int(os.environ.get("RANK", "0"))
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
-        if not (run_dir / FAILURE_FILE).exists():  # keep the first rank's cause, not a peer's broken pipe
-            write_failure(
-                run_dir,
-                Failure(
-                    failure_class=classify(exc),
-                    exception_type=type(exc).__name__,
-                    message=str(exc),
-                    rank=rank,
-                    step=_current_step,
-                    traceback=tb,
-                ),
-            )
+        write_failure(  # the first rank's cause is failure.json; a peer's broken pipe goes beside it
+            run_dir,
+            Failure(
+                failure_class=classify(exc),
+                exception_type=type(exc).__name__,
+                message=str(exc),
+                rank=rank,
+                step=_current_step,
+                traceback=tb,
+            ),
+        )
         return 1
     finally:
         if dist.is_initialized():
