@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from conftest import read_json
@@ -58,6 +59,25 @@ def _census(run_cli, *overrides: str) -> tuple[dict, dict, str]:
         census["predicted_gib"],
         (run_dir / "saved_tensors.txt").read_text(),
     )
+
+
+def test_a_census_that_cannot_count_is_a_visible_census_failure(run_cli, tmp_path, monkeypatch):
+    """A worker where saved-tensor hooks are disabled (as torch.func transforms disable them) cannot count: the
+    run keeps its measurements, and metrics.json says the census failed and why, not only saved_tensors.txt."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch\ntorch._C._autograd._saved_tensors_hooks_disable('no saved-tensor hooks on this machine')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    code, run_dir = run_cli("model=tiny", "train.steps=1", "train.profile_steps=0")
+    assert code == 0, (run_dir / "worker.log").read_text()
+    metrics = read_json(run_dir / "metrics.json")
+    assert metrics["saved_activations"] is None
+    assert metrics["census_failure"] == "RuntimeError: no saved-tensor hooks on this machine"
+    assert len(metrics["step_time_s"]["steps"]) == 1  # the measurements are kept
+    assert not (run_dir / "saved_tensors.txt").exists()
+    assert "the census step failed" in (run_dir / "worker.log").read_text()
 
 
 def test_the_census_counts_what_autograd_saves_per_part(run_cli):

@@ -150,7 +150,10 @@ class Metrics:
     component_split: ComponentSplit | None = None
     """None when train.profile_steps is 0."""
     saved_activations: SavedActivations | None = None
-    """None without a census step (``train.activation_census=false``, or CUDA graphs)."""
+    """None without a census step (``train.activation_census=false``, or CUDA graphs), or when it failed."""
+    census_failure: str | None = None
+    """Why the census step failed (``ExceptionType: message``), or None: a census that could not count (a library
+    that rejects saved-tensor hooks) leaves the run its measurements, and says so here."""
     accounting_notes: list[str] = field(default_factory=list)
     """The simplifications the FLOPs and token accounting still makes, said plainly."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -46,6 +47,9 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (failure class ``nan``)."""
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class TrainResult:
     step_times: list[float] = field(default_factory=list)
@@ -70,6 +74,8 @@ class TrainResult:
     """The census step's count of bytes saved for backward, per part (None without a census step)."""
     saved_tensor_sources: str | None = None
     """The census step's largest sources of saved bytes, as a table (``saved_tensors.txt``)."""
+    census_failure: str | None = None
+    """Why the census step failed (its exception), or None: the run keeps its measurements and says so."""
 
 
 class _GcPauses:
@@ -400,7 +406,9 @@ class Trainer:
                 _sync(self.plan.device)
                 start, pauses.timing = time.perf_counter(), phase == "measured"
                 if phase == "census":
-                    result.saved_activation_bytes, result.saved_tensor_sources = self._census_step(microbatches)
+                    (result.saved_activation_bytes, result.saved_tensor_sources, result.census_failure) = (
+                        self._census_step(microbatches)
+                    )
                 else:
                     self._step(microbatches)
                 _sync(self.plan.device)
@@ -429,18 +437,21 @@ class Trainer:
             result.split_seconds = {k: v / t.profile_steps for k, v in clock.seconds().items()}
         return result
 
-    def _census_step(self, microbatches: list[MicroBatch]) -> tuple[dict[str, int] | None, str]:
-        """One step under the census. It runs after the timed steps, so if a library on some machine rejects
-        saved-tensor hooks, the run keeps its results and says why the census is missing. Running out of memory
-        is the config's, not the census's: it fails the run as any step would."""
+    def _census_step(self, microbatches: list[MicroBatch]) -> tuple[dict[str, int] | None, str | None, str | None]:
+        """One step under the census: (bytes per part, sources table, None), or (None, None, why it failed).
+        It runs after the timed steps, so if a library on some machine rejects saved-tensor hooks, the run keeps
+        its results and ``metrics.json`` says why the census is missing (``census_failure``). Running out of
+        memory is the config's, not the census's: it fails the run as any step would."""
         try:
             with SavedTensorCensus(self.chunks) as counted:
                 self._step(microbatches)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            return None, f"the census step failed: {type(exc).__name__}: {exc}\n"
-        return counted.bytes, counted.table()
+            reason = f"{type(exc).__name__}: {exc}"
+            logger.warning("the census step failed, the run keeps its measurements without it: %s", reason)
+            return None, None, reason
+        return counted.bytes, counted.table(), None
 
     def _start_profiling(self, clock: _PhaseClock) -> list:
         handles = _hook_components(self.chunks, clock)

@@ -305,6 +305,7 @@ def build_metrics(
         graphed_layers=result.graphed_layers,
         component_split=split,
         saved_activations=_saved_activations(plan, result.saved_activation_bytes),
+        census_failure=result.census_failure,
         accounting_notes=list(ACCOUNTING_NOTES),
     )
 
