@@ -288,7 +288,8 @@ class SweeperImpl(Sweeper):
             else contextlib.nullcontext()
         )
         watch = early_stop.EarlyStop.for_trial(study, trial, spec) if self.project else None
-        with ledger.Heartbeat(trial, spec.resume.heartbeat_s), early_stop.watching(watch), devices as holding, tail:
+        beat = ledger.Heartbeat(trial, spec.resume.heartbeat_s, spec.resume.stale_after_s)
+        with beat, early_stop.watching(beat.guard(watch)), devices as holding, tail:
             if holding:
                 trial.set_user_attr("devices", holding)
             try:
@@ -298,6 +299,8 @@ class SweeperImpl(Sweeper):
                     self.stop_reason = f"the scheduler refused trial #{trial.number}'s job: {exc}"
                     return Outcome(state="fail", failure_class="crash", reason=self.stop_reason)
                 return outcome_of_lost_job(exc)
+        if beat.lost is not None:  # its worker was stopped, or finished unseen: another host may run it again
+            return Outcome(state="fail", failure_class="interrupted", reason=beat.lost)
         try:
             value = job.return_value
         except Exception as exc:  # the task raised: the sweep goes on, the trial is a crash
