@@ -151,6 +151,11 @@ class Metrics:
     """None when train.profile_steps is 0."""
     saved_activations: SavedActivations | None = None
     """None without a census step (``train.activation_census=false``, or CUDA graphs), or when it failed."""
+    data_wait_s: list[float] = field(default_factory=list)
+    """Per measured step (slowest rank), the seconds the trainer waited for its micro-batches before the step's
+    timer started: reading and decoding (``data=webdataset``: JPEG/PNG decode and resize on the training process,
+    no loader workers or prefetch) and the copy to the device. Left out of ``step_time_s``; near or above a step's
+    time, the data path, not the model, would bound a real run."""
     census_failure: str | None = None
     """Why the census step failed (``ExceptionType: message``), or None: a census that could not count (a library
     that rejects saved-tensor hooks) leaves the run its measurements, and says so here."""

@@ -67,6 +67,8 @@ class TrainResult:
     """Wall-clock seconds per part of the schedule (``warmup``, ``capture``, ``measured``, ``profile``), data,
     reductions and syncs included: what a run costs beyond its measured steps."""
     warmup_step_times: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
+    """Per measured step, the seconds its micro-batches took to fetch (decode included) before its timer started."""
     """Seconds of each warm-up step, timed like a measured one (synced, without fetching data)."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
@@ -288,7 +290,8 @@ class Trainer:
         )
 
     def _fetch(self, step: int) -> list[MicroBatch]:
-        """The step's micro-batches, on the device (what a prefetching loader hands over)."""
+        """The step's micro-batches, on the device, fetched before the step's timer starts: what a prefetching
+        loader would hand over if it kept up; ``data_wait_s`` records how long the fetch took instead."""
         return [mb.to(self.plan.device, self.image_dtype) for mb in self.source.step(step, self.plan.num_microbatches)]
 
     def _step(self, microbatches: list[MicroBatch]) -> None:
@@ -398,7 +401,10 @@ class Trainer:
                     result.graphed_layers = self._capture_graphs()
                     result.wall_s["capture"] = time.perf_counter() - began
                     began = time.perf_counter()
+                fetching = time.perf_counter()
                 microbatches = self._fetch(step)
+                if phase == "measured":
+                    result.data_wait_s.append(time.perf_counter() - fetching)
                 if phase == "profile" and not handles:
                     handles = self._start_profiling(clock)
                 if phase == "profile":

@@ -240,6 +240,7 @@ def build_metrics(
     memory: tuple[float, str],
     startup_s: dict[str, float] | None = None,
 ) -> Metrics:
+    from moe_vlm_sweep.data import text_ids_note
     from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
 
     cfg = plan.run_config
@@ -306,7 +307,8 @@ def build_metrics(
         component_split=split,
         saved_activations=_saved_activations(plan, result.saved_activation_bytes),
         census_failure=result.census_failure,
-        accounting_notes=list(ACCOUNTING_NOTES),
+        data_wait_s=result.data_wait_s,
+        accounting_notes=[*ACCOUNTING_NOTES, *filter(None, [text_ids_note(cfg.data)])],
     )
 
 
@@ -418,6 +420,7 @@ def run(run_dir: Path) -> None:
     memory = _peak_memory_gib(plan)
     result.step_times = _slowest_rank(result.step_times, plan)
     result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
+    result.data_wait_s = _slowest_rank(result.data_wait_s, plan)
     if dist.get_rank() == 0:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
