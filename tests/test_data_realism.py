@@ -18,7 +18,7 @@ from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf, R
 from moe_vlm_sweep.data import MockText, SyntheticImages, make_source
 from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX, PAD_TOKEN_ID, layout
 from moe_vlm_sweep.model.flops import BatchTokens
-from moe_vlm_sweep.plan.plan import make_plan
+from moe_vlm_sweep.plan.plan import RunPlan, make_plan
 
 MODEL = ModelConf(text_tokens=65)
 CAPTIONS = {
@@ -151,6 +151,19 @@ def test_webdataset_trains_from_real_image_files(run_cli, shards):
     assert all(v == v for v in metrics["loss"]["values"])
     assert metrics["effective_tokens_per_s"] < metrics["tokens_per_s"]
     assert metrics["flops_per_step"]["vision_encoder"]["model"] > 0
+    # The token count is what it says it is: each caption's UTF-8 bytes (no tokenizer) plus the image tokens.
+    assert any("UTF-8 bytes" in note and "real_tokens_per_step" in note for note in metrics["accounting_notes"])
+    plan = RunPlan.read(run_dir / "plan.json")
+    cfg = plan.run_config
+    source = make_source(cfg.model, cfg.data, micro_batch_size=cfg.batch.mbs)
+    steps = [source.step(step, plan.num_microbatches) for step in range(3)]  # one warm-up step, two measured
+    assert metrics["real_tokens_per_step"] == sum(sum(mb.real_tokens for mb in step) for step in steps[1:]) / 2
+    first_caption = next(iter(CAPTIONS.values()))
+    assert steps[0][0].text_lengths[0] == 1 + len(first_caption.encode())  # its image placeholder, then its bytes
+    # Decoding runs outside the timed step; the wait for it is recorded per measured step, inside the wall time.
+    waits = metrics["data_wait_s"]
+    assert len(waits) == 2 and all(w > 0 for w in waits)
+    assert metrics["wall_s"]["measured"] >= sum(metrics["step_time_s"]["steps"]) + sum(waits)
 
 
 def test_mock_text_run_reports_no_vision_work(run_cli):

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from sweep_testing import FAST_TRAIN, cli, exported_experiment, private_conf
 
 from moe_vlm_sweep.config import compose
-from moe_vlm_sweep.export.best import ExportError, export, ranked
+from moe_vlm_sweep.export.best import ExportError, confirmed_export, export, ranked
 from moe_vlm_sweep.export.confirm import CV_TARGET, confirm
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.trial import metric_value
@@ -58,6 +58,29 @@ def test_export_puts_the_confirmed_trial_first(tmp_path):
     assert exported[0].experiment == f"{NAME}_best" and exported[0].overrides == third.user_attrs["overrides"]
     assert yaml.safe_load((tmp_path / "s" / "best" / "overrides.yaml").read_text()) == exported[0].overrides
     assert [e["confirmed"] for e in yaml.safe_load((tmp_path / "s" / "best" / "top.yaml").read_text())] == [True, False]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda text: text[: len(text) // 2] + "\n  - [unclosed", id="truncated"),
+        pytest.param(lambda text: "trial: 2\n", id="not_a_list"),
+        pytest.param(lambda text: "\udcff".encode("utf-8", "surrogateescape").decode("latin-1"), id="binary"),
+    ],
+)
+def test_an_unreadable_top_yaml_is_not_taken_for_no_confirmed_export(tmp_path, damage):
+    """A best/top.yaml that names a confirmed best is what keeps an unconfirmed export from replacing it, so one
+    that cannot be read refuses the export, naming the file, instead of reading as "nothing confirmed"."""
+    study = _study(None, [([*BASE, f"batch.mbs={m}"], float(m), "synthetic_images") for m in (1, 2)])
+    confirmed = ranked(study)[1]
+    export(study, sweep_dir=tmp_path / "s", conf_dir=tmp_path, top_k=2, confirmed=confirmed)
+    top = tmp_path / "s" / "best" / "top.yaml"
+    assert confirmed_export(tmp_path / "s") == confirmed.number
+    top.write_bytes(damage(top.read_text()).encode("latin-1"))
+    with pytest.raises(ExportError, match=r"top\.yaml cannot be read .*confirmed best.*nothing is exported"):
+        confirmed_export(tmp_path / "s")
+    top.unlink()
+    assert confirmed_export(tmp_path / "s") is None  # no earlier export: nothing to keep
 
 
 @pytest.mark.slow

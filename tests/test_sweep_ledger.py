@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import optuna
 import pytest
@@ -135,3 +138,53 @@ def test_after_a_repeat_the_next_trial_walks_one_knob_out_from_the_best(study):
     assert neighbor_of_best(study, space, rng) == (1, {"batch.mbs": 2, "vision": "frozen"})
     study.enqueue_trial({"batch.mbs": 2, "vision": "frozen"})
     assert neighbor_of_best(study, space, rng) is None  # every neighbor is taken: the explorer draws instead
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_heartbeat_that_keeps_failing_gives_the_trial_up_past_the_stale_window(tmp_path, caplog):
+    """The study's SQLite file is locked by another writer, so every beat fails: a short outage is logged and
+    survived; one longer than sweep.resume.stale_after_s loses the claim (another host may re-run the trial), the
+    beating stops and the guard stops the trial's worker, instead of the trial running on unseen."""
+    db = tmp_path / "s.db"
+    storage = optuna.storages.RDBStorage(f"sqlite:///{db}", engine_kwargs={"connect_args": {"timeout": 0.05}})
+    study = optuna.create_study(storage=storage, study_name="s")
+    trial = study.ask()
+    ledger.own(trial)
+    beat = ledger.Heartbeat(trial, interval_s=0.1, stale_after_s=1.0)
+
+    def heartbeat() -> float:
+        return study.get_trials(deepcopy=False)[0].user_attrs["heartbeat"]
+
+    def locked(seconds: float) -> None:
+        writer = sqlite3.connect(db, isolation_level=None)
+        writer.execute("BEGIN EXCLUSIVE")
+        time.sleep(seconds)
+        writer.execute("ROLLBACK")
+        writer.close()
+
+    early_stop = beat.guard(lambda run_dir: None)
+    with caplog.at_level(logging.WARNING, logger=ledger.__name__), beat:
+        first = heartbeat()
+        assert _wait_for(lambda: heartbeat() > first, 5)
+        locked(0.4)  # a hiccup, well inside the window
+        before = heartbeat()
+        assert _wait_for(lambda: heartbeat() > before, 5) and beat.lost is None
+        assert "heartbeat failed" in caplog.text and "database is locked" in caplog.text
+        assert early_stop(tmp_path) is None
+
+        outage = threading.Thread(target=locked, args=(3.0,))
+        outage.start()
+        assert _wait_for(lambda: beat.lost is not None, 10), "a storage down past the window went unnoticed"
+        outage.join()
+        assert f"trial #{trial.number} lost its claim" in beat.lost and "stale_after_s=1" in beat.lost
+        assert early_stop(tmp_path) == beat.lost  # the launcher stops the worker on its next look
+        last = heartbeat()
+        time.sleep(0.5)
+        assert heartbeat() == last  # the storage is back, but a worker that lost its claim does not beat again
+    assert any(r.levelno == logging.ERROR and "lost its claim" in r.getMessage() for r in caplog.records)

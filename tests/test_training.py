@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from conftest import read_json
@@ -19,8 +20,12 @@ def test_tiny_run_writes_every_metric(run_cli):
     code, run_dir = run_cli("model=tiny", "train.steps=4", "train.profile_steps=1")
     assert code == 0, (run_dir / "worker.log").read_text()
     metrics = read_json(run_dir / "metrics.json")
-    assert _fields(ms.Metrics) <= set(metrics)
-    assert _fields(ms.StepTimes) <= set(metrics["step_time_s"])
+    assert set(metrics) == _fields(ms.Metrics) and set(metrics["step_time_s"]) == _fields(ms.StepTimes)
+    # Every field is written, defaults too: what tells is which ones the run left empty. On the CPU only the
+    # GPU memory estimate is None, and the census did not fail.
+    typed = ms.read_metrics(run_dir)
+    empty = {f.name for f in dataclasses.fields(typed) if getattr(typed, f.name) in (None, [], {}, "")}
+    assert empty == {"predicted_peak_memory_gib", "census_failure"}
     assert len(metrics["step_time_s"]["steps"]) == 4
     assert metrics["data_realism"] == "synthetic_images"
     assert metrics["recipe"] == read_json(run_dir / "plan.json")["recipe"]["fingerprint"]  # what it trained
@@ -58,6 +63,25 @@ def _census(run_cli, *overrides: str) -> tuple[dict, dict, str]:
         census["predicted_gib"],
         (run_dir / "saved_tensors.txt").read_text(),
     )
+
+
+def test_a_census_that_cannot_count_is_a_visible_census_failure(run_cli, tmp_path, monkeypatch):
+    """A worker where saved-tensor hooks are disabled (as torch.func transforms disable them) cannot count: the
+    run keeps its measurements, and metrics.json says the census failed and why, not only saved_tensors.txt."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch\ntorch._C._autograd._saved_tensors_hooks_disable('no saved-tensor hooks on this machine')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    code, run_dir = run_cli("model=tiny", "train.steps=1", "train.profile_steps=0")
+    assert code == 0, (run_dir / "worker.log").read_text()
+    metrics = read_json(run_dir / "metrics.json")
+    assert metrics["saved_activations"] is None
+    assert metrics["census_failure"] == "RuntimeError: no saved-tensor hooks on this machine"
+    assert len(metrics["step_time_s"]["steps"]) == 1  # the measurements are kept
+    assert not (run_dir / "saved_tensors.txt").exists()
+    assert "the census step failed" in (run_dir / "worker.log").read_text()
 
 
 def test_the_census_counts_what_autograd_saves_per_part(run_cli):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,37 @@ def test_failure_round_trip_and_class_check(tmp_path):
         Failure(failure_class="segfault", exception_type="X", message="", rank=0, step=None, traceback="")
 
 
+def _fail_at_once(run_dir: Path, rank: int, start, results) -> None:
+    failure = Failure(
+        failure_class="crash", exception_type="E", message=f"rank {rank}", rank=rank, step=1, traceback=""
+    )
+    start.wait()
+    results.put((rank, write_failure(run_dir, failure).name))
+
+
+def test_the_first_of_ranks_failing_at_once_is_the_cause_and_the_others_are_kept(tmp_path):
+    """Ranks in separate processes fail at the same moment, many times over: in each run exactly one rank's
+    failure is failure.json (the one whose write said so), and every other rank's is kept beside it."""
+    ranks, rounds = 6, 15
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(rounds):
+        run_dir = tmp_path / str(attempt)
+        run_dir.mkdir()
+        start, results = ctx.Barrier(ranks), ctx.Queue()
+        procs = [ctx.Process(target=_fail_at_once, args=(run_dir, r, start, results)) for r in range(ranks)]
+        for proc in procs:
+            proc.start()
+        written = dict(results.get(timeout=30) for _ in range(ranks))
+        for proc in procs:
+            proc.join(timeout=30)
+        winners = [rank for rank, name in written.items() if name == "failure.json"]
+        assert len(winners) == 1, f"round {attempt}: {written}"
+        assert read_failure(run_dir).rank == winners[0]
+        for rank in set(range(ranks)) - set(winners):
+            assert json.loads((run_dir / f"failure.rank{rank}.json").read_text())["message"] == f"rank {rank}"
+        assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []  # no temporary left
+
+
 def test_atomic_write_never_leaves_partial_files(tmp_path):
     path = tmp_path / "metrics.json"
     write_json_atomic(path, {"a": 1})
@@ -151,10 +183,9 @@ def test_a_failed_census_step_leaves_the_run_its_results():
         (x * x).sum()  # saves x under the census
         raise RuntimeError("saved tensor hooks are not supported here")
 
-    measured, sources = Trainer._census_step(SimpleNamespace(chunks=[], _step=step), [])
-    assert measured is None and sources == (
-        "the census step failed: RuntimeError: saved tensor hooks are not supported here\n"
-    )
+    measured, sources, failure = Trainer._census_step(SimpleNamespace(chunks=[], _step=step), [])
+    assert measured is None and sources is None
+    assert failure == "RuntimeError: saved tensor hooks are not supported here"
     assert not torch._C._autograd._top_saved_tensors_default_hooks(False), "the hooks must be gone"
 
 

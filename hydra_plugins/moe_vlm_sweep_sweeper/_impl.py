@@ -288,7 +288,8 @@ class SweeperImpl(Sweeper):
             else contextlib.nullcontext()
         )
         watch = early_stop.EarlyStop.for_trial(study, trial, spec) if self.project else None
-        with ledger.Heartbeat(trial, spec.resume.heartbeat_s), early_stop.watching(watch), devices as holding, tail:
+        beat = ledger.Heartbeat(trial, spec.resume.heartbeat_s, spec.resume.stale_after_s)
+        with beat, early_stop.watching(beat.guard(watch)), devices as holding, tail:
             if holding:
                 trial.set_user_attr("devices", holding)
             try:
@@ -298,6 +299,8 @@ class SweeperImpl(Sweeper):
                     self.stop_reason = f"the scheduler refused trial #{trial.number}'s job: {exc}"
                     return Outcome(state="fail", failure_class="crash", reason=self.stop_reason)
                 return outcome_of_lost_job(exc)
+        if beat.lost is not None:  # its worker was stopped, or finished unseen: another host may run it again
+            return Outcome(state="fail", failure_class="interrupted", reason=beat.lost)
         try:
             value = job.return_value
         except Exception as exc:  # the task raised: the sweep goes on, the trial is a crash
@@ -656,7 +659,7 @@ class SweeperImpl(Sweeper):
         (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did. A confirmation
         runs the re-runs the time budget holds and leaves the rest to the next run of the same command, and the
         best is exported unconfirmed meanwhile; an unconfirmed export never replaces an earlier confirmed one."""
-        from moe_vlm_sweep.export.best import confirmed_export, export, ranked, realism_of
+        from moe_vlm_sweep.export.best import ExportError, confirmed_export, export, ranked, realism_of
 
         top = ranked(study)[: spec.top_k]
         realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -670,9 +673,14 @@ class SweeperImpl(Sweeper):
             from moe_vlm_sweep.config.compose import exports_dir
 
             held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm else None
-            kept = confirmed_export(sweep_dir) if held is None else None
+            try:
+                kept, unreadable = (confirmed_export(sweep_dir) if held is None else None), None
+            except ExportError as exc:
+                kept, unreadable = None, exc
             if held is False:
                 print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)
+            elif unreadable is not None:
+                print(f"best: not exported: {unreadable}", flush=True)
             elif kept is not None:
                 print(
                     f"best: trial #{kept} stays exported (it held in an earlier confirmation); this run's "

@@ -8,7 +8,25 @@ from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX, BatchSource, MicroBatch,
 from moe_vlm_sweep.data.mock_text import MockText
 from moe_vlm_sweep.data.synthetic import SyntheticImages
 
-__all__ = ["IMAGE_TOKEN_INDEX", "BatchSource", "MicroBatch", "MockText", "SyntheticImages", "make_source"]
+__all__ = [
+    "IMAGE_TOKEN_INDEX",
+    "BatchSource",
+    "MicroBatch",
+    "MockText",
+    "SyntheticImages",
+    "make_source",
+    "text_ids_note",
+]
+
+
+def text_ids_note(data: DataConf) -> str | None:
+    """What a text id of ``data``'s source counts, for ``accounting_notes``, where a token count would otherwise
+    be read as a tokenizer's; None for the synthetic sources, whose ids stand for tokens by construction."""
+    if data.name == "webdataset":
+        from moe_vlm_sweep.data.webdataset_shards import TEXT_IDS
+
+        return TEXT_IDS
+    return None
 
 
 def make_source(

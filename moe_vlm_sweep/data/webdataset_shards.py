@@ -2,11 +2,20 @@
 
 A record is ``<key>.jpg|jpeg|png`` (the encoded image file) plus ``<key>.txt`` (its caption), the layout of
 img2dataset's CC3M/LAION shards. Images are decoded and resized to ``model.vision.image_size`` (RGB, [0, 1]); a
-sample takes ``model.images_per_sample`` consecutive records and joins their captions. Decoding and resizing run
-inside the timed step on the training process, as they would without loader workers, so their cost is real.
-Captions become byte-level ids (utf-8 byte b -> 1 + b mod (vocab_size - 1)): no tokenizer is needed, the
-lengths (hence the padding) are the captions' own. Data-parallel rank r of d reads records r, r + d, ...; the
-shards repeat endlessly. Realism ``real_images``.
+sample takes ``model.images_per_sample`` consecutive records and joins their captions. Data-parallel rank r of d
+reads records r, r + d, ...; the shards repeat endlessly.
+
+What realism ``real_images`` means here, exactly: the pixels are real photographs, decoded and resized, and each
+sample's text length (hence its padding, and what packing saves) is its real caption's. It does not mean real
+tokens: no tokenizer is installed with the package, so a caption's text ids are its UTF-8 bytes
+(:func:`caption_byte_ids`, byte b -> 1 + b mod (vocab_size - 1)), one id per byte, several times the ids a BPE
+tokenizer would give; the run's token counts (``real_tokens_per_step``, ``effective_tokens_per_s``) count these
+bytes plus the image tokens, as its ``accounting_notes`` say (:data:`TEXT_IDS`). Nor does it mean a real input
+pipeline: there are no loader workers and no prefetch. Decoding and resizing run on the training process when
+the trainer fetches a step's micro-batches, before the step's timer starts, so the step times leave them out and
+``data_wait_s`` in ``metrics.json`` records them, per measured step: the time a loader would have to hide. Where
+it is near or above the step time, one loader process cannot keep up with the step, and about
+``data_wait_s / step time`` workers would be needed.
 """
 
 from __future__ import annotations
@@ -44,7 +53,16 @@ def shard_urls(pattern: str | None) -> list[str]:
     return urls
 
 
-def caption_ids(caption: str, vocab_size: int) -> torch.Tensor:
+TEXT_IDS = (
+    "data=webdataset: text ids are a caption's UTF-8 bytes, one id per byte (no tokenizer), so text tokens, "
+    "real_tokens_per_step and effective_tokens_per_s count caption bytes (plus image tokens), several times "
+    "what a BPE tokenizer would count."
+)
+"""What a text id of this source is, for ``metrics.json``'s ``accounting_notes``."""
+
+
+def caption_byte_ids(caption: str, vocab_size: int) -> torch.Tensor:
+    """One id per UTF-8 byte of the stripped caption, in [1, vocab_size): byte ids, not tokenizer tokens."""
     data = np.frombuffer(caption.strip().encode("utf-8"), dtype=np.uint8).astype(np.int64)
     return torch.from_numpy(FIRST_TEXT_ID + data % (vocab_size - FIRST_TEXT_ID))
 
@@ -96,7 +114,7 @@ class WebDatasetShards:
             records = [next(self.records) for _ in range(n_img)]
             images += [to_pixels(image, m.vision.image_size) for image, _ in records]
             caption = " ".join(text.strip() for _, text in records)
-            texts.append(caption_ids(caption, m.decoder.vocab_size)[:room])
+            texts.append(caption_byte_ids(caption, m.decoder.vocab_size)[:room])
         return layout(torch.stack(images), texts, images_per_sample=n_img, row_length=row, image_tokens=m.image_tokens)
 
     def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:

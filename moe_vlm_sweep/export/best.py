@@ -161,9 +161,25 @@ def export(
 
 def confirmed_export(sweep_dir: Path) -> int | None:
     """The trial an earlier export wrote as ``<study>_best`` after it held in confirmation re-runs, if any: an
-    unconfirmed export must not replace it (``best/top.yaml``)."""
+    unconfirmed export must not replace it (``best/top.yaml``). None when nothing was exported yet or the export
+    was unconfirmed. A ``top.yaml`` that exists but cannot be read may name a confirmed best, so it is not taken
+    for "none": ExportError, and the caller exports nothing over it."""
+    path = sweep_dir / "best" / "top.yaml"
     try:
-        top = yaml.safe_load((sweep_dir / "best" / "top.yaml").read_text()) or []
-    except (OSError, yaml.YAMLError):
+        top = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
         return None
-    return top[0]["trial"] if top and top[0].get("confirmed") else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ExportError(_unreadable(path, f"{type(exc).__name__}: {' '.join(str(exc).split())}")) from exc
+    if top is None or top == []:
+        return None
+    if not (isinstance(top, list) and isinstance(top[0], dict) and isinstance(top[0].get("trial"), int)):
+        raise ExportError(_unreadable(path, "it is not the list of ranked trials an export writes"))
+    return top[0]["trial"] if top[0].get("confirmed") else None
+
+
+def _unreadable(path: Path, why: str) -> str:
+    return (
+        f"{path} cannot be read ({why}); it may hold a confirmed best that an unconfirmed export must not replace, "
+        "so nothing is exported over it. Restore or delete it, then export with moe-vlm-sweep best"
+    )

@@ -150,7 +150,15 @@ class Metrics:
     component_split: ComponentSplit | None = None
     """None when train.profile_steps is 0."""
     saved_activations: SavedActivations | None = None
-    """None without a census step (``train.activation_census=false``, or CUDA graphs)."""
+    """None without a census step (``train.activation_census=false``, or CUDA graphs), or when it failed."""
+    data_wait_s: list[float] = field(default_factory=list)
+    """Per measured step (slowest rank), the seconds the trainer waited for its micro-batches before the step's
+    timer started: reading and decoding (``data=webdataset``: JPEG/PNG decode and resize on the training process,
+    no loader workers or prefetch) and the copy to the device. Left out of ``step_time_s``; near or above a step's
+    time, the data path, not the model, would bound a real run."""
+    census_failure: str | None = None
+    """Why the census step failed (``ExceptionType: message``), or None: a census that could not count (a library
+    that rejects saved-tensor hooks) leaves the run its measurements, and says so here."""
     accounting_notes: list[str] = field(default_factory=list)
     """The simplifications the FLOPs and token accounting still makes, said plainly."""
 
@@ -175,9 +183,8 @@ class Failure:
             raise ValueError(f"failure_class={self.failure_class!r} must be one of {', '.join(FAILURE_CLASSES)}")
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` so that ``path`` either does not exist or holds the whole file."""
-    path = Path(path)
+def _write_tmp(path: Path, payload: dict[str, Any]) -> str:
+    """``payload`` in a whole, synced temporary file beside ``path``; the caller publishes it under its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -185,6 +192,17 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` so that ``path`` either does not exist or holds the whole file."""
+    path = Path(path)
+    tmp = _write_tmp(path, payload)
+    try:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -197,10 +215,30 @@ def write_metrics(run_dir: Path, metrics: Metrics) -> Path:
     return path
 
 
+def failure_of_rank(run_dir: Path, rank: int) -> Path:
+    """Where a rank's failure goes when another rank's is already ``failure.json``."""
+    return Path(run_dir) / f"failure.rank{rank}.json"
+
+
 def write_failure(run_dir: Path, failure: Failure) -> Path:
-    path = Path(run_dir) / FAILURE_FILE
-    write_json_atomic(path, dataclasses.asdict(failure))
-    return path
+    """Record ``failure``; return the file it went to.
+
+    The run's cause is the first failure, whichever rank met it: ``failure.json`` is published with ``os.link``,
+    which fails when the name exists, so of two ranks failing at once exactly one wins (a check for the file and
+    then a replace lets the later rank, often only a peer's broken pipe, overwrite the cause). Every later
+    failure is kept beside it as ``failure.rank<N>.json``."""
+    first = Path(run_dir) / FAILURE_FILE
+    tmp = _write_tmp(first, dataclasses.asdict(failure))
+    try:
+        try:
+            os.link(tmp, first)
+            return first
+        except FileExistsError:
+            other = failure_of_rank(run_dir, failure.rank)
+            os.replace(tmp, other)
+            return other
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _check_version(data: dict[str, Any], path: Path) -> None:

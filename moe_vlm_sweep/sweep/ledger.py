@@ -16,11 +16,11 @@ run directory (:func:`finished_run`) and its result kept, never measured again.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import RESULT_FILE
 from moe_vlm_sweep.metrics.schema import FAILURE_FILE, METRICS_FILE
 from moe_vlm_sweep.plan.plan import RunPlan
+
+logger = logging.getLogger(__name__)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 CLAIM_WAIT_S = 60.0
@@ -173,18 +175,68 @@ def own(trial: optuna.Trial) -> None:
     trial.set_user_attr("heartbeat", time.time())
 
 
-class Heartbeat:
-    """Records ``heartbeat`` on the running trial every ``interval_s`` from a daemon thread."""
+def _causes(exc: BaseException) -> str:
+    """``exc`` and what it was raised from, one line: a storage wraps the database's own error (``database is
+    locked``) in one of its own."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return " <- ".join(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}" for e in chain)
 
-    def __init__(self, trial: optuna.Trial, interval_s: float):
-        self._trial, self._interval = trial, interval_s
+
+class Heartbeat:
+    """Records ``heartbeat`` on the running trial every ``interval_s`` from a daemon thread.
+
+    A beat that fails is logged, and the next one retries: one storage hiccup must not kill a trial. But once
+    no beat has been recorded for ``stale_after_s``, another host may declare the trial stale and run it again,
+    so this worker has lost its claim: the thread stops beating, ``lost`` says why, and :meth:`guard` stops the
+    trial's worker through the launcher's watch instead of letting it run on unseen beside its re-run."""
+
+    def __init__(self, trial: optuna.Trial, interval_s: float, stale_after_s: float):
+        self._trial, self._interval, self._stale_after = trial, interval_s, stale_after_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{trial.number}", daemon=True)
+        self._last = time.time()  # :func:`own` recorded one as the trial was asked
+        self.lost: str | None = None
+        """Why this worker no longer owns the trial, or None while it does."""
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):
-            with contextlib.suppress(Exception):  # a storage hiccup must not kill the trial; the next beat retries
+            try:
                 self._trial.set_user_attr("heartbeat", time.time())
+                self._last = time.time()
+            except Exception as exc:
+                silent = time.time() - self._last
+                error = _causes(exc)
+                if silent <= self._stale_after:
+                    logger.warning(
+                        "trial #%d: heartbeat failed, none recorded for %.0f s of sweep.resume.stale_after_s=%g: %s",
+                        self._trial.number,
+                        silent,
+                        self._stale_after,
+                        error,
+                    )
+                    continue
+                self.lost = (
+                    f"trial #{self._trial.number} lost its claim: no heartbeat recorded for {silent:.0f} s, past "
+                    f"sweep.resume.stale_after_s={self._stale_after:g}, so another host may run it again "
+                    f"(last error: {error})"
+                )
+                logger.error("%s; stopping it", self.lost)
+                return
+
+    def guard(self, watch: Callable[[Path], str | None] | None) -> Callable[[Path], str | None]:
+        """``watch`` (the launcher's check while the worker runs, e.g. an early stop), stopping the worker first
+        once the claim is lost."""
+
+        def guarded(run_dir: Path) -> str | None:
+            if self.lost is not None:
+                return self.lost
+            return watch(run_dir) if watch is not None else None
+
+        return guarded
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import re
 import time
@@ -47,6 +48,9 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (failure class ``nan``)."""
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class TrainResult:
     step_times: list[float] = field(default_factory=list)
@@ -64,6 +68,8 @@ class TrainResult:
     """Wall-clock seconds per part of the schedule (``warmup``, ``capture``, ``measured``, ``profile``), data,
     reductions and syncs included: what a run costs beyond its measured steps."""
     warmup_step_times: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
+    """Per measured step, the seconds its micro-batches took to fetch (decode included) before its timer started."""
     """Seconds of each warm-up step, timed like a measured one (synced, without fetching data)."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
@@ -71,6 +77,8 @@ class TrainResult:
     """The census step's count of bytes saved for backward, per part (None without a census step)."""
     saved_tensor_sources: str | None = None
     """The census step's largest sources of saved bytes, as a table (``saved_tensors.txt``)."""
+    census_failure: str | None = None
+    """Why the census step failed (its exception), or None: the run keeps its measurements and says so."""
 
 
 class _GcPauses:
@@ -319,7 +327,8 @@ class Trainer:
         )
 
     def _fetch(self, step: int) -> list[MicroBatch]:
-        """The step's micro-batches, on the device (what a prefetching loader hands over)."""
+        """The step's micro-batches, on the device, fetched before the step's timer starts: what a prefetching
+        loader would hand over if it kept up; ``data_wait_s`` records how long the fetch took instead."""
         return [mb.to(self.plan.device, self.image_dtype) for mb in self.source.step(step, self.plan.num_microbatches)]
 
     def _step(self, microbatches: list[MicroBatch]) -> None:
@@ -429,7 +438,10 @@ class Trainer:
                     result.graphed_layers = self._capture_graphs()
                     result.wall_s["capture"] = time.perf_counter() - began
                     began = time.perf_counter()
+                fetching = time.perf_counter()
                 microbatches = self._fetch(step)
+                if phase == "measured":
+                    result.data_wait_s.append(time.perf_counter() - fetching)
                 if phase == "profile" and not handles:
                     handles = self._start_profiling(clock)
                 if phase == "profile":
@@ -437,7 +449,9 @@ class Trainer:
                 _sync(self.plan.device)
                 start, pauses.timing = time.perf_counter(), phase == "measured"
                 if phase == "census":
-                    result.saved_activation_bytes, result.saved_tensor_sources = self._census_step(microbatches)
+                    (result.saved_activation_bytes, result.saved_tensor_sources, result.census_failure) = (
+                        self._census_step(microbatches)
+                    )
                 else:
                     self._step(microbatches)
                 _sync(self.plan.device)
@@ -466,18 +480,21 @@ class Trainer:
             result.split_seconds = {k: v / t.profile_steps for k, v in clock.seconds().items()}
         return result
 
-    def _census_step(self, microbatches: list[MicroBatch]) -> tuple[dict[str, int] | None, str]:
-        """One step under the census. It runs after the timed steps, so if a library on some machine rejects
-        saved-tensor hooks, the run keeps its results and says why the census is missing. Running out of memory
-        is the config's, not the census's: it fails the run as any step would."""
+    def _census_step(self, microbatches: list[MicroBatch]) -> tuple[dict[str, int] | None, str | None, str | None]:
+        """One step under the census: (bytes per part, sources table, None), or (None, None, why it failed).
+        It runs after the timed steps, so if a library on some machine rejects saved-tensor hooks, the run keeps
+        its results and ``metrics.json`` says why the census is missing (``census_failure``). Running out of
+        memory is the config's, not the census's: it fails the run as any step would."""
         try:
             with SavedTensorCensus(self.chunks) as counted:
                 self._step(microbatches)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            return None, f"the census step failed: {type(exc).__name__}: {exc}\n"
-        return counted.bytes, counted.table()
+            reason = f"{type(exc).__name__}: {exc}"
+            logger.warning("the census step failed, the run keeps its measurements without it: %s", reason)
+            return None, None, reason
+        return counted.bytes, counted.table(), None
 
     def _start_profiling(self, clock: _PhaseClock) -> list:
         handles = _hook_components(self.chunks, clock)

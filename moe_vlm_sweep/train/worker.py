@@ -37,7 +37,6 @@ from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
 from moe_vlm_sweep.launch.warm_host import serve
 from moe_vlm_sweep.metrics.schema import (
     COMPONENTS,
-    FAILURE_FILE,
     ComponentSplit,
     Failure,
     Loss,
@@ -241,6 +240,7 @@ def build_metrics(
     memory: tuple[float, str],
     startup_s: dict[str, float] | None = None,
 ) -> Metrics:
+    from moe_vlm_sweep.data import text_ids_note
     from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
 
     cfg = plan.run_config
@@ -306,7 +306,9 @@ def build_metrics(
         graphed_layers=result.graphed_layers,
         component_split=split,
         saved_activations=_saved_activations(plan, result.saved_activation_bytes),
-        accounting_notes=list(ACCOUNTING_NOTES),
+        census_failure=result.census_failure,
+        data_wait_s=result.data_wait_s,
+        accounting_notes=[*ACCOUNTING_NOTES, *filter(None, [text_ids_note(cfg.data)])],
     )
 
 
@@ -418,6 +420,7 @@ def run(run_dir: Path) -> None:
     memory = _peak_memory_gib(plan)
     result.step_times = _slowest_rank(result.step_times, plan)
     result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
+    result.data_wait_s = _slowest_rank(result.data_wait_s, plan)
     if dist.get_rank() == 0:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
@@ -476,18 +479,17 @@ def main(argv: list[str]) -> int:
         rank = int(os.environ.get("RANK", "0"))
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
-        if not (run_dir / FAILURE_FILE).exists():  # keep the first rank's cause, not a peer's broken pipe
-            write_failure(
-                run_dir,
-                Failure(
-                    failure_class=classify(exc),
-                    exception_type=type(exc).__name__,
-                    message=str(exc),
-                    rank=rank,
-                    step=_current_step,
-                    traceback=tb,
-                ),
-            )
+        write_failure(  # the first rank's cause is failure.json; a peer's broken pipe goes beside it
+            run_dir,
+            Failure(
+                failure_class=classify(exc),
+                exception_type=type(exc).__name__,
+                message=str(exc),
+                rank=rank,
+                step=_current_step,
+                traceback=tb,
+            ),
+        )
         return 1
     finally:
         if dist.is_initialized():
