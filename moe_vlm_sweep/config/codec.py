@@ -66,14 +66,14 @@ def _decode(hint: Any, value: Any, where: str, path: str, error: type[Exception]
     if hint in _LEAVES:
         _expect(value, _LEAVES[hint], where, path, error)
         if hint is not bool and isinstance(value, bool):
-            raise error(f"{where}{path}={value!r} must be a {hint.__name__}, not a bool")
+            raise error(f"{where}{path}={value!r} must be {hint.__name__}, not bool")
     return value
 
 
 def _expect(value: Any, kinds: tuple[type, ...], where: str, path: str, error: type[Exception]) -> None:
     if not isinstance(value, kinds):
         names = " or ".join(k.__name__ for k in kinds)
-        raise error(f"{where}{path}={value!r} must be a {names}, not a {type(value).__name__}")
+        raise error(f"{where}{path}={value!r} must be {names}, not {type(value).__name__}")
 
 
 def _decode_dataclass(cls: type, data: Any, where: str, path: str, error: type[Exception]) -> Any:
