@@ -205,13 +205,13 @@ def test_no_consumer_reads_metrics_by_string_keys_or_writes_a_status_literal():
             if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
                 target = node.value
                 name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
-                if name == "metrics" and isinstance(node.slice.value, str):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} metrics[{node.slice.value!r}]")
+                if name in ("metrics", "failure") and isinstance(node.slice.value, str):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}[{node.slice.value!r}]")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
                 target = node.func.value
                 name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
-                if name == "metrics":
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} metrics.get(...)")
+                if name in ("metrics", "failure"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}.get(...)")
             if (
                 package
                 and isinstance(node, ast.keyword)

@@ -58,7 +58,7 @@ def test_trials_after_the_first_start_training_within_a_second_of_imports(tmp_pa
 
 def test_a_crashing_trial_is_a_crash_and_the_host_runs_the_next(tmp_path):
     crashed = launch(*_prepared(tmp_path, [*FAST, "model.decoder.vocab_size=1"]), warm=True)
-    assert crashed.status == "crash" and crashed.failure["rank"] == 0, crashed.reason
+    assert crashed.status == "crash" and crashed.failure is not None and crashed.failure.rank == 0, crashed.reason
     host = _host()
     plan, run_dir = _prepared(tmp_path, LONG)
     box = {}
