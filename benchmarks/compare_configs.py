@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from moe_vlm_sweep import provenance
+from moe_vlm_sweep.config.codec import to_dict
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.config.recipe import between, describe
 from moe_vlm_sweep.launch.local import launch
@@ -68,16 +69,16 @@ def run_one(name: str, overrides: list[str], outputs: Path) -> dict:
     if result.ok:
         m = result.metrics
         row.update(
-            step_time_s=m["step_time_s"],
-            effective_tokens_per_s_per_gpu=m["effective_tokens_per_s_per_gpu"],
-            tokens_per_s_per_gpu=m["tokens_per_s_per_gpu"],
-            mfu=m["mfu"],
-            hfu=m["hfu"],
-            peak_memory_gib=m["peak_memory_gib"],
-            component_split=m["component_split"],
-            data_realism=m["data_realism"],
-            peak_tflops=m["peak_tflops"],
-            peak_source=m["peak_source"],
+            step_time_s=to_dict(m.step_time_s),
+            effective_tokens_per_s_per_gpu=m.effective_tokens_per_s_per_gpu,
+            tokens_per_s_per_gpu=m.tokens_per_s_per_gpu,
+            mfu=m.mfu,
+            hfu=m.hfu,
+            peak_memory_gib=m.peak_memory_gib,
+            component_split=to_dict(m.component_split) if m.component_split else None,
+            data_realism=m.data_realism,
+            peak_tflops=m.peak_tflops,
+            peak_source=m.peak_source,
             graphed_layers=m["graphed_layers"],
             loss=m["loss"],
         )

@@ -20,33 +20,32 @@ from pathlib import Path
 import yaml
 
 from moe_vlm_sweep.config.compose import compose_run_config
+from moe_vlm_sweep.metrics.schema import METRICS_FILE, read_metrics
 from moe_vlm_sweep.plan.layout import sharded_seq_length
 from moe_vlm_sweep.plan.memory import ACTIVATION_PARTS, GIB, activation_parts, estimate, microbatches_in_flight
 
 
-def measured_parts(saved: dict) -> dict[str, float]:
+def measured_parts(measured: dict[str, float]) -> dict[str, float]:
     """The census's parts summed the way ``ACTIVATION_PARTS`` groups them (its layers are listed one by one)."""
-    measured = saved["measured_gib"]
     layers = sum(v for k, v in measured.items() if k.startswith("decoder.layers."))
     return {part: layers if part == "decoder.layers" else measured.get(part, 0.0) for part in ACTIVATION_PARTS}
 
 
 def row(run_dir: Path) -> dict | None:
-    metrics_file = run_dir / "metrics.json"
-    if not metrics_file.exists():
+    if not (run_dir / METRICS_FILE).exists():
         return None
-    metrics = json.loads(metrics_file.read_text())
+    metrics = read_metrics(run_dir)
     overrides = yaml.safe_load((run_dir / "overrides.yaml").read_text())
     out = {
         "config": run_dir.name,
         "overrides": overrides,
-        "status": metrics["status"],
-        "peak_memory_gib": metrics["peak_memory_gib"],
-        "graphed_layers": metrics["graphed_layers"],
+        "status": metrics.status,
+        "peak_memory_gib": metrics.peak_memory_gib,
+        "graphed_layers": metrics.graphed_layers,
     }
-    if metrics.get("saved_activations"):
-        out["saved_activations_gib"] = measured_parts(metrics["saved_activations"])
-        out["microbatches_in_flight"] = metrics["saved_activations"]["microbatches_in_flight"]
+    if metrics.saved_activations is not None:
+        out["saved_activations_gib"] = measured_parts(metrics.saved_activations.measured_gib)
+        out["microbatches_in_flight"] = metrics.saved_activations.microbatches_in_flight
     return out
 
 

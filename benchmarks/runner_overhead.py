@@ -149,13 +149,13 @@ def _worker(plan: RunPlan, outputs: Path, name: str) -> dict:
             "run_dir": str(run_dir),
             "log_tail": (run_dir / "worker.log").read_text(errors="replace")[-3000:],
         }
-    st = result.metrics["step_time_s"]
+    st = result.metrics.step_time_s
     return {
         "status": "ok",
         "run_dir": str(run_dir),
-        "median": st["median"],
-        "steps": st["steps"],
-        "mfu": result.metrics["mfu"],
+        "median": st.median,
+        "steps": st.steps,
+        "mfu": result.metrics.mfu,
     }
 
 

@@ -38,12 +38,11 @@ from compare_configs import git_commit
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
-from moe_vlm_sweep.config.compose import CONF_DIR, compose_run_config
+from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.launch import warm_host
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
-from moe_vlm_sweep.plan.plan import make_plan
-from moe_vlm_sweep.plan.rules import ConfigError
+from moe_vlm_sweep.plan.compose import INVALID_ERRORS, compose_plan
 from moe_vlm_sweep.sweep import ledger
 from moe_vlm_sweep.sweep.space import Space, fixed_overrides
 from moe_vlm_sweep.sweep.spec import SweepConf, load_spec
@@ -92,12 +91,12 @@ def measure(args: argparse.Namespace) -> int:
         overrides = [*base, *Space.overrides(point), f"outputs_dir={outputs}"]
         row: dict[str, Any] = {"params": point, "overrides": Space.overrides(point)}
         try:
-            plan = make_plan(compose_run_config(overrides), overrides)
-        except ConfigError as exc:
+            plan, resolved_yaml = compose_plan(overrides)
+        except INVALID_ERRORS as exc:
             rows.append(row | {"status": "invalid", "reason": str(exc), "wall_s": 0.0, "value": None})
             continue
         run_dir = new_run_dir(outputs, prefix="grid")
-        prepare(run_dir, plan, "")
+        prepare(run_dir, plan, resolved_yaml)
         result = launch(plan, run_dir, warm=True)
         value = metric_value(result.metrics, spec.objective.metric) if result.ok else None
         rows.append(

@@ -38,11 +38,11 @@ from pathlib import Path
 
 from compare_configs import git_commit
 
-from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch import warm_host
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
-from moe_vlm_sweep.plan.plan import make_plan
+from moe_vlm_sweep.metrics.schema import Metrics
+from moe_vlm_sweep.plan.compose import compose_plan
 
 MODES = ("fresh", "warm")
 PHASES = ("imports", "init", "build", "wrap", "first_step", "other_warmup", "timed_steps", "census_profile", "rest")
@@ -67,10 +67,10 @@ PRESETS = {
 }
 
 
-def phases(metrics: dict, wall: float) -> dict[str, float]:
+def phases(metrics: Metrics, wall: float) -> dict[str, float]:
     """The trial's wall split by phase (seconds); ``rest`` is what no phase of the worker accounts for."""
-    w, steps = metrics["wall_s"], metrics["step_time_s"]["steps"]
-    first = (metrics.get("warmup_step_time_s") or [0.0])[0]
+    w, steps = metrics.wall_s, metrics.step_time_s.steps
+    first = (metrics.warmup_step_time_s or [0.0])[0]
     split = {
         "imports": w.get("startup.imports", 0.0),
         "init": w.get("startup.init", 0.0),
@@ -87,9 +87,9 @@ def phases(metrics: dict, wall: float) -> dict[str, float]:
 
 def run_one(mode: str, name: str, overrides: list[str], outputs: Path) -> dict:
     overrides = [*overrides, f"outputs_dir={outputs}"]
-    plan = make_plan(compose_run_config(overrides), overrides)
+    plan, resolved_yaml = compose_plan(overrides)
     run_dir = new_run_dir(outputs, prefix=name)
-    prepare(run_dir, plan, "")
+    prepare(run_dir, plan, resolved_yaml)
     result = launch(plan, run_dir, warm=mode == "warm")
     row = {
         "config": name,
@@ -104,8 +104,8 @@ def run_one(mode: str, name: str, overrides: list[str], outputs: Path) -> dict:
         row |= {
             "phases_s": split,
             "timed_share": split["timed_steps"] / result.wall_s,
-            "step_median_s": result.metrics["step_time_s"]["median"],
-            "step_cv": result.metrics["step_time_s"]["cv"],
+            "step_median_s": result.metrics.step_time_s.median,
+            "step_cv": result.metrics.step_time_s.cv,
         }
     return row
 

@@ -49,17 +49,11 @@ def _fail(message: str) -> int:
 
 def _plan(overrides: Sequence[str]):
     """Compose and validate; return (plan, resolved yaml) or an exit code after printing why."""
-    from omegaconf import OmegaConf
-
-    from moe_vlm_sweep.config.compose import CompositionError, compose_config, to_run_config
-    from moe_vlm_sweep.config.schema import ConfigFieldError
-    from moe_vlm_sweep.plan.plan import make_plan
-    from moe_vlm_sweep.plan.rules import ConfigError
+    from moe_vlm_sweep.plan.compose import INVALID_ERRORS, compose_plan
 
     try:
-        composed = compose_config(overrides)
-        return make_plan(to_run_config(composed), overrides), OmegaConf.to_yaml(composed)
-    except (CompositionError, ConfigFieldError, ConfigError) as exc:
+        return compose_plan(overrides)
+    except INVALID_ERRORS as exc:
         return _fail(str(exc))
 
 

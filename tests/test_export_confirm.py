@@ -17,6 +17,7 @@ from sweep_testing import FAST_TRAIN, cli, exported_experiment, private_conf
 from moe_vlm_sweep.config import compose
 from moe_vlm_sweep.export.best import ExportError, confirmed_export, export, ranked
 from moe_vlm_sweep.export.confirm import CV_TARGET, confirm
+from moe_vlm_sweep.metrics.schema import read_metrics
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.trial import metric_value
 
@@ -110,10 +111,10 @@ def test_confirm_reruns_the_top_trials_and_exports_the_median_winner(tmp_path, m
         for repeat in candidate["repeats"]:
             run_dir = tmp_path / repeat["run_dir"]
             assert run_dir.parent == sweep_dir / "confirm" / "runs" and repeat["status"] == "ok"
-            metrics = json.loads((run_dir / "metrics.json").read_text())
+            metrics = read_metrics(run_dir)
             assert repeat["values"] == [metric_value(metrics, METRIC)] and repeat["values"][0] > 0
-            assert repeat["step_time_median_s"] == metrics["step_time_s"]["median"] > 0
-            assert repeat["step_time_cv"] == metrics["step_time_s"]["cv"] >= 0
+            assert repeat["step_time_median_s"] == metrics.step_time_s.median > 0
+            assert repeat["step_time_cv"] == metrics.step_time_s.cv >= 0
         values = [r["values"][0] for r in candidate["repeats"]]
         times = [r["step_time_median_s"] for r in candidate["repeats"]]
         cv = statistics.pstdev(times) / statistics.fmean(times)

@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from contract_samples import sample_metrics as _metrics
 
 from moe_vlm_sweep.config.schema import DataConf, ModelConf
 from moe_vlm_sweep.data.synthetic import IMAGE_TOKEN_INDEX, PAD_TOKEN_ID, SyntheticImages
 from moe_vlm_sweep.metrics.schema import (
-    ComponentFlops,
-    ComponentSplit,
     Failure,
-    Loss,
-    Metrics,
-    StepTimes,
     read_failure,
     read_metrics,
     write_failure,
@@ -68,37 +64,6 @@ def test_batches_are_deterministic_and_fixed_batch_repeats():
     assert torch.equal(fixed.microbatch(0, 0).images, fixed.microbatch(7, 0).images)
     other_rank = SyntheticImages(MODEL, DataConf(), micro_batch_size=4, dp_rank=1)
     assert not torch.equal(other_rank.microbatch(0, 0).input_ids, a.microbatch(0, 0).input_ids)
-
-
-def _metrics() -> Metrics:
-    flops = {"total": ComponentFlops(model=2.0, hardware=3.0)}
-    return Metrics(
-        data_realism="synthetic_images",
-        hardware="cpu",
-        device="cpu",
-        layout={"tp": 1},
-        step_time_s=StepTimes(median=0.1, p10=0.09, p90=0.2, mean=0.12, cv=0.1, steps=[0.1, 0.2]),
-        tokens_per_s=10.0,
-        tokens_per_s_per_gpu=10.0,
-        effective_tokens_per_s=8.0,
-        effective_tokens_per_s_per_gpu=8.0,
-        padded_tokens_per_step=320,
-        real_tokens_per_step=250,
-        flops_per_step=flops,
-        model_tflops_per_s_per_gpu=1e-3,
-        hardware_tflops_per_s_per_gpu=2e-3,
-        mfu=0.01,
-        hfu=0.02,
-        peak_tflops=0.1,
-        peak_source="measured_matmul",
-        peak_memory_gib=0.5,
-        peak_memory_source="peak_rss",
-        loss=Loss(values=[6.0, 5.0], phases=["warmup", "measured"]),
-        component_split=ComponentSplit(
-            seconds={"optimizer": 0.1}, shares={"optimizer": 1.0}, profile_steps=1, measured_on="rank 0"
-        ),
-        accounting_notes=["note"],
-    )
 
 
 def test_metrics_round_trip(tmp_path):

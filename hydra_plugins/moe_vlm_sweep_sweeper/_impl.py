@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.launch import slurm
+from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.sweep import early_stop, ledger, preflight, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.devices import held as devices_held
@@ -63,7 +64,7 @@ from moe_vlm_sweep.sweep.trial import (
 
 MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
-_LAUNCH_FAILURES = ("oom", "crash", "timeout", "nan")
+_LAUNCH_FAILURES = (RunStatus.OOM, RunStatus.CRASH, RunStatus.TIMEOUT, RunStatus.NAN)
 _TELL_STATE = {"pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
 EXIT_INVALID = 2
 EXIT_STOPPED = 1
@@ -228,9 +229,11 @@ class SweeperImpl(Sweeper):
     @staticmethod
     def _describe(trial: optuna.trial.FrozenTrial, interrupted: set) -> tuple[str, dict, dict]:
         if f"interrupted.{trial.number}" in interrupted:
-            failure_class = "interrupted"
+            failure_class = RunStatus.INTERRUPTED
         else:
-            failure_class = trial.user_attrs.get("failure_class", {TrialState.COMPLETE: "ok"}.get(trial.state, "crash"))
+            failure_class = trial.user_attrs.get(
+                "failure_class", {TrialState.COMPLETE: RunStatus.OK}.get(trial.state, RunStatus.CRASH)
+            )
         tags = {
             f"moe_vlm_sweep.{k}": trial.user_attrs[k]
             for k in ("reason", "data_realism", "hardware", "recipe")
@@ -251,17 +254,17 @@ class SweeperImpl(Sweeper):
     def _run(self, study: optuna.Study, trial: optuna.Trial, spec: SweepConf, overrides: list[str]) -> Outcome:
         plan, reason = self._validate(overrides) if self.project else (None, None)
         if reason is not None:
-            return Outcome(state="pruned", failure_class="invalid", reason=reason)
+            return Outcome(state="pruned", failure_class=RunStatus.INVALID, reason=reason)
         problem = plan and self._realism_problem(
             study, plan.run_config.data.realism, f"trial #{trial.number} samples data.realism"
         )
         if problem:
             self.stop_reason = problem
-            return Outcome(state="fail", failure_class="invalid", reason=problem)
+            return Outcome(state="fail", failure_class=RunStatus.INVALID, reason=problem)
         owner = ledger.claim(study, trial, trial.params)
         if owner is not None:
             # Told as failed, not pruned: the config is not bad, and TPE must not learn that it is (it ignores fails).
-            return Outcome(state="fail", failure_class="duplicate", reason=f"same config as trial #{owner}")
+            return Outcome(state="fail", failure_class=RunStatus.DUPLICATE, reason=f"same config as trial #{owner}")
         if plan is not None and plan.recipe:
             trial.set_user_attr("recipe", plan.recipe["fingerprint"])
             trial.set_user_attr("recipe_differs", plan.recipe["differs"])
@@ -297,22 +300,23 @@ class SweeperImpl(Sweeper):
             except Exception as exc:
                 if is_refused_submission(exc):
                     self.stop_reason = f"the scheduler refused trial #{trial.number}'s job: {exc}"
-                    return Outcome(state="fail", failure_class="crash", reason=self.stop_reason)
+                    return Outcome(state="fail", failure_class=RunStatus.CRASH, reason=self.stop_reason)
                 return outcome_of_lost_job(exc)
         if beat.lost is not None:  # its worker was stopped, or finished unseen: another host may run it again
             return Outcome(state="fail", failure_class="interrupted", reason=beat.lost)
         try:
             value = job.return_value
         except Exception as exc:  # the task raised: the sweep goes on, the trial is a crash
-            return Outcome(state="fail", failure_class="crash", reason=f"{type(exc).__name__}: {exc}")
+            return Outcome(state="fail", failure_class=RunStatus.CRASH, reason=f"{type(exc).__name__}: {exc}")
         if not self.project:
             return outcome_of_value(value, len(spec.objective.directions))
         outcome = outcome_of_result(value, spec.objective)
-        realism = outcome.metrics.get("data_realism")
+        realism = outcome.metrics.data_realism if outcome.metrics else None
         problem = outcome.ok and self._realism_problem(study, realism, f"trial #{trial.number} measured data_realism")
         if problem:
             self.stop_reason = problem
-            outcome.state, outcome.failure_class, outcome.reason, outcome.values = "fail", "invalid", problem, None
+            outcome.state, outcome.reason, outcome.values = "fail", problem, None
+            outcome.failure_class = RunStatus.INVALID
         elif outcome.ok and "data_realism" not in study.user_attrs:
             study.set_user_attr("data_realism", realism)
         return outcome
@@ -332,8 +336,8 @@ class SweeperImpl(Sweeper):
             "failure_class": outcome.failure_class,
             "reason": outcome.reason[-4000:],
             "run_dir": outcome.run_dir,
-            "data_realism": outcome.metrics.get("data_realism"),
-            "hardware": outcome.metrics.get("hardware"),
+            "data_realism": outcome.metrics.data_realism if outcome.metrics else None,
+            "hardware": outcome.metrics.hardware if outcome.metrics else None,
         }
         for key, value in attrs.items():
             if value:
@@ -425,7 +429,9 @@ class SweeperImpl(Sweeper):
                 self._tell(
                     study,
                     trial,
-                    Outcome(state="fail", failure_class="interrupted", reason=f"the sweep was stopped by {stop}"),
+                    Outcome(
+                        state="fail", failure_class=RunStatus.INTERRUPTED, reason=f"the sweep was stopped by {stop}"
+                    ),
                 )
                 where = f"; trial #{trial.number} marked interrupted"
                 if trial.user_attrs.get("claim") == "launch" and "retry_of" not in trial.user_attrs:
@@ -495,12 +501,14 @@ class SweeperImpl(Sweeper):
                 if ledger.is_surplus(
                     study.get_trials(deepcopy=False), trial.number, spec.n_trials, spec.resume.stale_after_s
                 ):
-                    trial.set_user_attr("claim", "surplus")
+                    trial.set_user_attr("claim", RunStatus.SURPLUS)
                     self._tell(
                         study,
                         trial,
                         Outcome(
-                            state="fail", failure_class="surplus", reason="the study was full when this trial was asked"
+                            state="fail",
+                            failure_class=RunStatus.SURPLUS,
+                            reason="the study was full when this trial was asked",
                         ),
                     )
                     self.current = None
@@ -515,7 +523,7 @@ class SweeperImpl(Sweeper):
                 self.trial_seconds.append(time.monotonic() - began)
             self._tell(study, trial, outcome)
             self.current = None
-            duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == "duplicate" else 0
+            duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == RunStatus.DUPLICATE else 0
             proposal = duplicates_in_a_row and neighbor_of_best(study, space, walker)
             if proposal:  # the next ask takes it; the explorer fills in any param it leaves out
                 study.enqueue_trial(proposal[1], user_attrs={"proposed_as": f"one knob from best trial #{proposal[0]}"})

@@ -7,10 +7,10 @@ Each ``__post_init__`` checks only its own fields (the torchtitan rule); rules t
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+from moe_vlm_sweep.config import codec
 
 
 class ConfigFieldError(ValueError):
@@ -508,20 +508,7 @@ class RunConfig:
 
 def from_dict(cls: type, data: dict[str, Any]) -> Any:
     """Rebuild a (nested) config dataclass from plain data, running every ``__post_init__`` again."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            continue
-        value, hint = data[f.name], hints[f.name]
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            value = from_dict(hint, value)
-        kwargs[f.name] = value
-    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-        raise ConfigFieldError(f"unknown keys for {cls.__name__}: {', '.join(sorted(unknown))}")
-    return cls(**kwargs)
+    return codec.from_dict(cls, data, error=ConfigFieldError)
 
 
-def to_dict(conf: Any) -> dict[str, Any]:
-    return dataclasses.asdict(conf)
+to_dict = codec.to_dict

@@ -17,7 +17,6 @@ allocation, a reserved machine's hours) starts no repeat that the trial it repea
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,15 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
-from moe_vlm_sweep.config.compose import compose_config, to_run_config
 from moe_vlm_sweep.export.best import ExportError, ranked, realism_of
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import RESULT_FILE, new_run_dir, prepare, write_json_atomic
-from moe_vlm_sweep.plan.plan import RunPlan, make_plan
+from moe_vlm_sweep.launch.status import RunStatus
+from moe_vlm_sweep.plan.compose import compose_plan
+from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.spec import ObjectiveConf
 from moe_vlm_sweep.sweep.trial import INVALID_ERRORS, outcome_of_result
@@ -47,7 +46,7 @@ CONFIRM_FILE = "confirm.json"
 class Repeat:
     """One re-run of a candidate: its objective values and step times, or why it failed."""
 
-    status: str
+    status: RunStatus
     """``ok`` or the failure class of the run (invalid | oom | crash | timeout | nan | realism)."""
     reason: str = ""
     run_dir: str | None = None
@@ -56,9 +55,12 @@ class Repeat:
     step_time_cv: float | None = None
     """The run's own CV over its measured steps (metrics.json ``step_time_s.cv``)."""
 
+    def __post_init__(self) -> None:
+        self.status = RunStatus(self.status)
+
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status == RunStatus.OK
 
 
 @dataclass(kw_only=True)
@@ -166,30 +168,23 @@ def objective_of(study: optuna.Study) -> ObjectiveConf:
 
 
 def _repeat(result: RunResult, objective: ObjectiveConf, realism: str | None) -> Repeat:
-    outcome = outcome_of_result(result, objective)
-    if not outcome.ok:
+    outcome, metrics = outcome_of_result(result, objective), result.metrics
+    if not outcome.ok or metrics is None:
         return Repeat(status=outcome.failure_class, reason=outcome.reason, run_dir=result.run_dir)
-    measured = result.metrics.get("data_realism")
+    measured = metrics.data_realism
     if realism is not None and measured != realism:
         return Repeat(
-            status="realism",
+            status=RunStatus.REALISM,
             run_dir=result.run_dir,
             reason=f"measured data_realism {measured} differs from the study's {realism}",
         )
-    step_time = result.metrics["step_time_s"]
     return Repeat(
-        status="ok",
+        status=RunStatus.OK,
         run_dir=result.run_dir,
         values=outcome.values,
-        step_time_median_s=step_time["median"],
-        step_time_cv=step_time["cv"],
+        step_time_median_s=metrics.step_time_s.median,
+        step_time_cv=metrics.step_time_s.cv,
     )
-
-
-def _plan(overrides: list[str]) -> tuple[RunPlan, str]:
-    """(plan, resolved yaml) exactly as ``moe-vlm-sweep run`` composes and validates them."""
-    composed = compose_config(overrides)
-    return make_plan(to_run_config(composed), overrides), OmegaConf.to_yaml(composed)
 
 
 def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat, reused: bool) -> str:
@@ -208,12 +203,14 @@ def _finished(confirm_dir: Path, number: int, index: int, plan: RunPlan) -> RunR
     under this very plan: ``result.json`` is written last, and ``plan.json`` must equal the plan this code makes
     (the resolved config included, so a run under another commit's defaults is not reused). A failed repeat
     runs again: the next attempt may run on another machine, and one OOM must not block the candidate for good."""
-    wanted = json.loads(json.dumps(plan.to_dict()))
     for run_dir in sorted((confirm_dir / "runs").glob(f"*-t{number}-r{index}-*")):
         if not (run_dir / RESULT_FILE).exists():
             continue
-        result = RunResult.read(run_dir)
-        if result.ok and json.loads((run_dir / "plan.json").read_text()) == wanted:
+        try:
+            result, ran = RunResult.read(run_dir), RunPlan.read(run_dir / "plan.json")
+        except (OSError, ValueError):  # unreadable or of another version: run it again
+            continue
+        if result.ok and ran == plan:
             return result
     return None
 
@@ -225,7 +222,7 @@ def confirm(
     top_k: int,
     repeats: int,
     progress: Callable[[str], None] | None = None,
-    plan: Callable[[list[str]], tuple[RunPlan, str]] = _plan,
+    plan: Callable[[list[str]], tuple[RunPlan, str]] = compose_plan,
     budget: TimeBudget | None = None,
     recipe: str | None = None,
 ) -> Confirmation:
@@ -264,7 +261,7 @@ def confirm(
             number = candidate.trial.number
             reused = None
             if number in invalid:
-                repeat = Repeat(status="invalid", reason=invalid[number])
+                repeat = Repeat(status=RunStatus.INVALID, reason=invalid[number])
             elif reused := _finished(sweep_dir / "confirm", number, index, plans[number][0]):
                 repeat = _repeat(reused, objective, realism)
             elif budget is not None and not budget.allows(need := wall_seconds(candidate.trial) or budget.slowest):

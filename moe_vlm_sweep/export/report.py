@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import json
 import sys
 import warnings
 from collections import Counter
@@ -23,7 +22,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from moe_vlm_sweep.export.best import ExportError, ranked
-from moe_vlm_sweep.metrics.schema import METRICS_FILE
+from moe_vlm_sweep.launch.status import RunStatus
+from moe_vlm_sweep.metrics.schema import read_metrics
 from moe_vlm_sweep.sweep.study import StorageError
 
 REPORT_DIR = "report"
@@ -45,10 +45,10 @@ def _metric_names(study: optuna.Study) -> list[str]:
 def _component_shares(trial: FrozenTrial) -> dict[str, float] | None:
     run_dir = trial.user_attrs.get("run_dir")
     try:
-        split = json.loads((Path(run_dir) / METRICS_FILE).read_text()).get("component_split") if run_dir else None
+        split = read_metrics(Path(run_dir)).component_split if run_dir else None
     except (OSError, ValueError):
         return None
-    return split.get("shares") if split else None
+    return split.shares if split else None
 
 
 def _save(axes, path: Path) -> Path:
@@ -112,7 +112,9 @@ def plots(study: optuna.Study, out: Path, top: Sequence[FrozenTrial]) -> dict[st
 
     def outcomes():
         _fig, ax = plt.subplots()
-        ax.bar(list(counts), list(counts.values()), color=["tab:green" if c == "ok" else "tab:red" for c in counts])
+        ax.bar(
+            list(counts), list(counts.values()), color=["tab:green" if c == RunStatus.OK else "tab:red" for c in counts]
+        )
         ax.set_ylabel("trials")
         ax.set_title("Outcome of every trial")
         return ax

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_vlm_sweep.config import recipe as recipes
-from moe_vlm_sweep.export.confirm import _plan
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare, write_json_atomic
+from moe_vlm_sweep.plan.compose import compose_plan
 from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.sweep.trial import INVALID_ERRORS
 
@@ -150,7 +150,7 @@ def verify(
     *,
     steps: int = DEFAULT_STEPS,
     out_dir: Path,
-    plan: PlanFn = _plan,
+    plan: PlanFn = compose_plan,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Verdict:
     """Train ``reference``, its re-split twin and ``candidate`` (override lists) for ``steps`` steps each under
@@ -189,7 +189,7 @@ def verify(
             ),
         )
     else:
-        curves = {name: r.metrics["loss"]["values"] for name, r in runs.items()}
+        curves = {name: r.metrics.loss.values for name, r in runs.items() if r.metrics is not None}
         verdict = compare(curves["reference"], curves["perturbed"], curves["candidate"])
     verdict.perturbation = perturbation
     verdict.recipes = {"reference": ref_plan[0].recipe, "candidate": cand_plan[0].recipe}

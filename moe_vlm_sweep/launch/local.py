@@ -17,7 +17,6 @@ reason it returns ends the run's process group, and the run is ``pruned`` with t
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -28,11 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from moe_vlm_sweep.config.codec import DecodeError
 from moe_vlm_sweep.launch import warm_host
 from moe_vlm_sweep.launch.compile_cache import cache_env
 from moe_vlm_sweep.launch.lifeline import LAUNCHER_ENV, launcher_identity
-from moe_vlm_sweep.launch.result import STATUSES, RunResult
+from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import WORKER_LOG
+from moe_vlm_sweep.launch.status import RunStatus
+from moe_vlm_sweep.metrics.schema import read_failure, read_metrics
 from moe_vlm_sweep.plan.plan import RunPlan
 
 WORKER_MODULE = "moe_vlm_sweep.train.worker"
@@ -129,11 +131,14 @@ def _kill_group(trial: _Trial) -> int | None:
     return returncode
 
 
-def _read_json(path: Path) -> dict | None:
+def _read[T](reader: Callable[[Path], T], run_dir: Path) -> tuple[T | None, str]:
+    """What ``reader`` makes of the worker's file, or None and why not (no file: an empty reason)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+        return reader(run_dir), ""
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, DecodeError) as exc:
+        return None, str(exc)
 
 
 def classify(
@@ -144,27 +149,29 @@ def classify(
     stopped: str | None = None,
     host_gone: str | None = None,
 ) -> RunResult:
-    metrics, failure = _read_json(run_dir / "metrics.json"), _read_json(run_dir / "failure.json")
+    failure, unreadable_failure = _read(read_failure, run_dir)
     if stopped is not None:
-        return RunResult(status="pruned", reason=stopped, returncode=returncode, failure=failure or {})
+        return RunResult(status=RunStatus.PRUNED, reason=stopped, returncode=returncode, failure=failure)
     if timed_out:
         return RunResult(
-            status="timeout",
+            status=RunStatus.TIMEOUT,
             reason=f"no result within train.timeout_s={timeout_s:g} s",
-            returncode=returncode,
-            failure=failure or {},
-        )
-    if failure is not None:
-        status = failure.get("failure_class", "crash")
-        return RunResult(
-            status=status if status in STATUSES else "crash",
-            reason=f"{failure.get('exception_type', '')}: {failure.get('message', '')}".strip(": "),
             returncode=returncode,
             failure=failure,
         )
-    if returncode == 0 and metrics is not None:
-        return RunResult(status="ok", returncode=0, metrics=metrics)
-    if host_gone is not None:
+    if failure is not None:
+        return RunResult(
+            status=failure.failure_class,
+            reason=f"{failure.exception_type}: {failure.message}".strip(": "),
+            returncode=returncode,
+            failure=failure,
+        )
+    metrics, unreadable_metrics = _read(read_metrics, run_dir) if returncode == 0 else (None, "")
+    if metrics is not None:
+        return RunResult(status=RunStatus.OK, returncode=0, metrics=metrics)
+    if unreadable_failure or unreadable_metrics:
+        reason = f"the worker's result does not read: {unreadable_failure or unreadable_metrics}"
+    elif host_gone is not None:
         reason = host_gone
     elif returncode is not None and returncode < 0:
         reason = f"worker killed by signal {signal.Signals(-returncode).name}"
@@ -172,7 +179,7 @@ def classify(
         reason = "worker exited 0 without writing metrics.json"
     else:
         reason = f"worker exited with status {returncode} without writing failure.json"
-    return RunResult(status="crash", reason=reason, returncode=returncode)
+    return RunResult(status=RunStatus.CRASH, reason=reason, returncode=returncode)
 
 
 def trial_env(plan: RunPlan) -> dict[str, str]:

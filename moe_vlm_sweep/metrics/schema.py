@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_vlm_sweep.config.codec import DecodeError, from_dict
+from moe_vlm_sweep.launch.status import WORKER_FAILURES, RunStatus
+
 SCHEMA_VERSION = 1
 METRICS_FILE = "metrics.json"
 FAILURE_FILE = "failure.json"
-FAILURE_CLASSES = ("oom", "invalid", "crash", "timeout", "nan")
+FAILURE_CLASSES = WORKER_FAILURES
 COMPONENTS = ("vision_encoder", "projector", "decoder")
 
 
@@ -88,7 +91,7 @@ class Metrics:
     """``metrics.json``: one successful run."""
 
     schema_version: int = SCHEMA_VERSION
-    status: str = "ok"
+    status: RunStatus = RunStatus.OK
     data_realism: str
     """``data.realism`` of the run; results of different realism are never ranked together."""
     hardware: str
@@ -169,7 +172,7 @@ class Failure:
 
     schema_version: int = SCHEMA_VERSION
     status: str = "failed"
-    failure_class: str
+    failure_class: RunStatus
     """One of FAILURE_CLASSES; ``invalid`` is a preflight refusal, not a crash."""
     exception_type: str
     message: str
@@ -181,6 +184,7 @@ class Failure:
     def __post_init__(self) -> None:
         if self.failure_class not in FAILURE_CLASSES:
             raise ValueError(f"failure_class={self.failure_class!r} must be one of {', '.join(FAILURE_CLASSES)}")
+        self.failure_class = RunStatus(self.failure_class)
 
 
 def _write_tmp(path: Path, payload: dict[str, Any]) -> str:
@@ -241,27 +245,29 @@ def write_failure(run_dir: Path, failure: Failure) -> Path:
         Path(tmp).unlink(missing_ok=True)
 
 
-def _check_version(data: dict[str, Any], path: Path) -> None:
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+def _read(cls: type[Any], path: Path) -> Any:
+    """``path`` read into ``cls``; a file of another schema version, a missing field or an unknown one is a
+    :class:`DecodeError` naming the file and the field, not a ``KeyError`` in whichever consumer reads it."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DecodeError(f"{path}: not JSON ({exc})") from None
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"{path}: schema_version {version!r} is not {SCHEMA_VERSION} (written by another version)")
+    try:
+        return from_dict(cls, data, where=str(path))
+    except DecodeError:
+        raise
+    except ValueError as exc:  # a field's own check (Failure.failure_class)
+        raise DecodeError(f"{path}: {exc}") from None
 
 
 def read_metrics(run_dir: Path) -> Metrics:
-    path = Path(run_dir) / METRICS_FILE
-    data = json.loads(path.read_text())
-    _check_version(data, path)
-    data["step_time_s"] = StepTimes(**data["step_time_s"])
-    data["loss"] = Loss(**data["loss"])
-    data["flops_per_step"] = {k: ComponentFlops(**v) for k, v in data["flops_per_step"].items()}
-    if data.get("component_split") is not None:
-        data["component_split"] = ComponentSplit(**data["component_split"])
-    if data.get("saved_activations") is not None:
-        data["saved_activations"] = SavedActivations(**data["saved_activations"])
-    return Metrics(**data)
+    """The run's ``metrics.json``; raises FileNotFoundError without one, DecodeError for one that does not fit."""
+    return _read(Metrics, Path(run_dir) / METRICS_FILE)
 
 
 def read_failure(run_dir: Path) -> Failure:
-    path = Path(run_dir) / FAILURE_FILE
-    data = json.loads(path.read_text())
-    _check_version(data, path)
-    return Failure(**data)
+    """The run's ``failure.json``; raises FileNotFoundError without one, DecodeError for one that does not fit."""
+    return _read(Failure, Path(run_dir) / FAILURE_FILE)

@@ -6,14 +6,14 @@ run directory alone and the worker needs neither Hydra nor the sweep stack.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_vlm_sweep.config import recipe
-from moe_vlm_sweep.config.schema import RunConfig, from_dict, to_dict
+from moe_vlm_sweep.config import recipe, schema
+from moe_vlm_sweep.config.codec import DecodeError, from_dict, to_dict
+from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.plan.layout import Layout, layout_of, sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
 from moe_vlm_sweep.plan.rules import CUDNN_GRAPHED_ATTENTION_FIX, ConfigError, broken_rules, graphs_unfuse_attention
@@ -48,7 +48,7 @@ class RunPlan:
 
     @property
     def run_config(self) -> RunConfig:
-        return from_dict(RunConfig, self.config)
+        return schema.from_dict(RunConfig, self.config)
 
     @property
     def decoder_row_length(self) -> int:
@@ -65,13 +65,13 @@ class RunPlan:
         return "te" if self.transformer_impl == "transformer_engine" else "cudagraphable"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunPlan:
         if data.get("version") != PLAN_VERSION:
-            raise ValueError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}")
-        return cls(**{**data, "layout": Layout(**data["layout"])})
+            raise DecodeError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}")
+        return from_dict(cls, data, where="plan")
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")

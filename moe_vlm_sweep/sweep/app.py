@@ -19,6 +19,7 @@ from moe_vlm_sweep.config.store import register
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
+from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.launch.summary import summarize
 from moe_vlm_sweep.sweep import early_stop
 from moe_vlm_sweep.sweep.trial import INVALID_ERRORS, plan_trial
@@ -32,7 +33,7 @@ def task(cfg: DictConfig) -> RunResult:
         plan, resolved_yaml = plan_trial(cfg, list(hydra_cfg.overrides.task))
     except INVALID_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return RunResult(status="invalid", reason=str(exc))
+        return RunResult(status=RunStatus.INVALID, reason=str(exc))
     run_dir = new_run_dir(plan.run_config.outputs_dir, prefix=f"job{hydra_cfg.job.num}")
     prepare(run_dir, plan, resolved_yaml)
     # With sweep.warm_host, forked from this process's warm trial host (imports paid once); stopped early if the

@@ -31,6 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 from moe_vlm_sweep.launch.local import classify
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import RESULT_FILE
+from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.metrics.schema import FAILURE_FILE, METRICS_FILE
 from moe_vlm_sweep.plan.plan import RunPlan
 
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 CLAIM_WAIT_S = 60.0
-NOT_COUNTED = ("duplicate", "surplus")
+NOT_COUNTED = (RunStatus.DUPLICATE, RunStatus.SURPLUS)
 """Claims of trials that never ran: a config another trial had first, or a trial asked once the study was full."""
 
 
@@ -86,7 +87,7 @@ def unretried_interrupts(trials: list[FrozenTrial]) -> list[FrozenTrial]:
         t
         for t in trials
         if t.state == TrialState.FAIL
-        and t.user_attrs.get("failure_class") == "interrupted"
+        and t.user_attrs.get("failure_class") == RunStatus.INTERRUPTED
         and t.user_attrs.get("claim") == "launch"
         and "retry_of" not in t.user_attrs
         and t.number not in retried
@@ -161,7 +162,7 @@ def claim(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> i
             if t.number > trial.number and "claim" not in t.user_attrs and t.state == TrialState.RUNNING
         ]
         if lower or higher_claimed:
-            trial.set_user_attr("claim", "duplicate")
+            trial.set_user_attr("claim", RunStatus.DUPLICATE)
             return min(lower + higher_claimed)
         if not undecided or time.monotonic() > deadline:
             trial.set_user_attr("claim", "launch")

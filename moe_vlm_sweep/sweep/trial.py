@@ -1,6 +1,6 @@
 """One trial of a moe-vlm-sweep sweep, on the same path as ``moe-vlm-sweep run``.
 
-compose (Hydra did it) -> drop the ``sweep``/``hydra`` nodes -> ``to_run_config`` -> ``make_plan`` ->
+compose (Hydra did it) -> drop the ``sweep``/``hydra`` nodes -> ``plan/compose.py: plan_of`` ->
 ``new_run_dir``/``prepare`` -> ``launch`` -> RunResult. The sweeper calls :func:`plan_trial` before it hands a
 config to the launcher, so an invalid one never costs a job (or a cluster queue slot); the task function calls
 it again on the launcher's side to get the plan it runs. Nothing here validates on its own.
@@ -9,21 +9,23 @@ it again on the launcher's side to get the plan it runs. Nothing here validates 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from moe_vlm_sweep.config.compose import CompositionError, to_run_config
-from moe_vlm_sweep.config.schema import ConfigFieldError, RunConfig
+from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.launch.result import RunResult
-from moe_vlm_sweep.plan.plan import RunPlan, make_plan
-from moe_vlm_sweep.plan.rules import ConfigError
+from moe_vlm_sweep.launch.status import RunStatus
+from moe_vlm_sweep.metrics.schema import Metrics
+from moe_vlm_sweep.plan.compose import INVALID_ERRORS as INVALID_ERRORS  # the sweeper catches invalid trials by it
+from moe_vlm_sweep.plan.compose import plan_of
+from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.sweep.spec import ObjectiveConf, SweepSpecError
 
-INVALID_ERRORS = (CompositionError, ConfigFieldError, ConfigError)
 _CONTROL_KEYS = ("sweep", "hydra")
 
 
@@ -59,16 +61,20 @@ def run_node(cfg: DictConfig) -> DictConfig:
 
 def plan_trial(cfg: DictConfig, overrides: Sequence[str]) -> tuple[RunPlan, str]:
     """Validate a composed trial config the way ``check`` does; raises one of INVALID_ERRORS with every reason."""
-    node = run_node(cfg)
-    return make_plan(to_run_config(node), run_overrides(overrides)), OmegaConf.to_yaml(node)
+    return plan_of(run_node(cfg), run_overrides(overrides))
 
 
-def metric_value(metrics: dict[str, Any], name: str) -> Any:
+def metric_value(metrics: Metrics, name: str) -> Any:
+    """The field of ``metrics`` a dotted objective name points at (``step_time_s.median``,
+    ``flops_per_step.total.model``); None where there is none."""
     value: Any = metrics
     for part in name.split("."):
-        if not isinstance(value, dict) or part not in value:
+        if dataclasses.is_dataclass(value) and part in {f.name for f in dataclasses.fields(value)}:
+            value = getattr(value, part)
+        elif isinstance(value, Mapping) and part in value:
+            value = value[part]
+        else:
             return None
-        value = value[part]
     return value
 
 
@@ -78,12 +84,15 @@ class Outcome:
 
     state: str
     """complete | pruned (infeasible: the sampler learns to avoid it) | fail (the sampler ignores it)"""
-    failure_class: str
-    """ok | invalid | oom | crash | timeout | nan | pruned (stopped early) | duplicate | interrupted"""
+    failure_class: RunStatus
+    """ok, the run's failure class, or the sweep's own: duplicate | interrupted | surplus"""
     values: list[float] | None = None
     reason: str = ""
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics | None = None
     run_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        self.failure_class = RunStatus(self.failure_class)
 
     @property
     def ok(self) -> bool:
@@ -94,25 +103,30 @@ class Outcome:
 # the machine or the step count, so they are failures Optuna does not learn from. A trial stopped early
 # (``sweep/early_stop.py``) is pruned, as Optuna's own pruners report it.
 _STATE_OF = {
-    "oom": "pruned",
-    "invalid": "pruned",
-    "crash": "fail",
-    "timeout": "fail",
-    "nan": "fail",
-    "pruned": "pruned",
+    RunStatus.OOM: "pruned",
+    RunStatus.INVALID: "pruned",
+    RunStatus.CRASH: "fail",
+    RunStatus.TIMEOUT: "fail",
+    RunStatus.NAN: "fail",
+    RunStatus.PRUNED: "pruned",
 }
 
 
 def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:
-    if not result.ok:
+    metrics = result.metrics
+    if not result.ok or metrics is None:
         return Outcome(
             state=_STATE_OF[result.status], failure_class=result.status, reason=result.reason, run_dir=result.run_dir
         )
     values = []
     for name in objective.metrics:
-        value = metric_value(result.metrics, name)
+        value = metric_value(metrics, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            numeric = sorted(k for k, v in result.metrics.items() if isinstance(v, (int, float)))
+            numeric = sorted(
+                f.name
+                for f in dataclasses.fields(metrics)
+                if isinstance(getattr(metrics, f.name), (int, float)) and not isinstance(getattr(metrics, f.name), bool)
+            )
             raise SweepSpecError(
                 f"sweep.objective.metric={name!r} is not a numeric field of metrics.json "
                 f"(numeric fields: {', '.join(numeric)})"
@@ -120,16 +134,16 @@ def outcome_of_result(result: RunResult, objective: ObjectiveConf) -> Outcome:
         if not math.isfinite(value):
             return Outcome(
                 state="fail",
-                failure_class="nan",
+                failure_class=RunStatus.NAN,
                 reason=f"{name}={value} is not finite",
-                metrics=result.metrics,
+                metrics=metrics,
                 run_dir=result.run_dir,
             )
         values.append(float(value))
-    return Outcome(state="complete", failure_class="ok", values=values, metrics=result.metrics, run_dir=result.run_dir)
+    return Outcome(state="complete", failure_class=RunStatus.OK, values=values, metrics=metrics, run_dir=result.run_dir)
 
 
-_LOST_JOB_STATES = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}
+_LOST_JOB_STATES = {"TIMEOUT": RunStatus.TIMEOUT, "OUT_OF_MEMORY": RunStatus.OOM}
 _STREAM_TAIL = 1500
 _SUBMITIT_TIME_LIMIT = "Job not requeued because: timed-out"
 """What submitit's job raises when Slurm's time-limit signal came and it did not requeue the job (``timed-out too
@@ -142,9 +156,9 @@ def outcome_of_lost_job(exc: Exception) -> Outcome:
     state (submitit names it, e.g. ``state: TIMEOUT``) and the sweep goes on. The reason keeps submitit's header
     whole and only the end of the job's error stream, so a long log cannot push the state out of it."""
     head, _, stream = f"{type(exc).__name__}: {exc}".partition("Error stream produced:")
-    failure_class = next((c for state, c in _LOST_JOB_STATES.items() if f"state: {state}" in head), "crash")
+    failure_class = next((c for state, c in _LOST_JOB_STATES.items() if f"state: {state}" in head), RunStatus.CRASH)
     if _SUBMITIT_TIME_LIMIT in str(exc):  # submitit ended the job at Slurm's time-limit signal, not requeued
-        failure_class = "timeout"
+        failure_class = RunStatus.TIMEOUT
     tail = f"\nerror stream (end): {stream.strip()[-_STREAM_TAIL:]}" if stream.strip() else ""
     return Outcome(
         state=_STATE_OF[failure_class],
@@ -166,11 +180,11 @@ def outcome_of_value(value: Any, n_objectives: int) -> Outcome:
     try:
         floats = [float(v) for v in values]
     except (TypeError, ValueError):
-        return Outcome(state="fail", failure_class="crash", reason=f"the task returned {value!r}, not a number")
+        return Outcome(state="fail", failure_class=RunStatus.CRASH, reason=f"the task returned {value!r}, not a number")
     if len(floats) != n_objectives or not all(math.isfinite(v) for v in floats):
         return Outcome(
             state="fail",
-            failure_class="nan" if len(floats) == n_objectives else "crash",
+            failure_class=RunStatus.NAN if len(floats) == n_objectives else RunStatus.CRASH,
             reason=f"the task returned {value!r}; expected {n_objectives} finite number(s)",
         )
-    return Outcome(state="complete", failure_class="ok", values=floats)
+    return Outcome(state="complete", failure_class=RunStatus.OK, values=floats)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -23,6 +22,11 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+from moe_vlm_sweep.config.codec import to_dict
+from moe_vlm_sweep.launch.result import RunResult
+from moe_vlm_sweep.launch.status import RunStatus
+from moe_vlm_sweep.metrics.schema import Metrics
 
 TAG = "moe_vlm_sweep."
 ARTIFACTS = (
@@ -37,7 +41,12 @@ ARTIFACTS = (
     "kernels.txt",
     "copies.txt",
 )
-_STATUS = {"ok": "FINISHED", "interrupted": "KILLED", "duplicate": "KILLED", "surplus": "KILLED"}
+_STATUS = {
+    RunStatus.OK: "FINISHED",
+    RunStatus.INTERRUPTED: "KILLED",
+    RunStatus.DUPLICATE: "KILLED",
+    RunStatus.SURPLUS: "KILLED",
+}
 """MLflow run status per failure class: KILLED for trials that never ran to the end without being at fault."""
 EXPERIMENT_KIND = "mlflow.experimentKind"
 """The experiment tag MLflow's UI reads to choose its view (``custom_model_development``: training runs)."""
@@ -214,9 +223,9 @@ class SweepTracker:
         self,
         run_id: str,
         *,
-        failure_class: str,
+        failure_class: RunStatus,
         tags: Mapping[str, str] = {},
-        metrics: Mapping[str, Any] | None = None,
+        metrics: Metrics | None = None,
         run_dir: str | None = None,
     ) -> str | None:
         """Log the trial's outcome and close its run. If logging fails part way (a full disk, a lost server), the
@@ -225,8 +234,8 @@ class SweepTracker:
         try:
             self._log(
                 run_id,
-                tags={f"{TAG}failure_class": failure_class, **tags},
-                metrics=_metrics(metrics or {}, int(time.time() * 1000)),
+                tags={f"{TAG}failure_class": RunStatus(failure_class), **tags},
+                metrics=_metrics(to_dict(metrics) if metrics is not None else {}, int(time.time() * 1000)),
             )
             if run_dir:
                 for name in ARTIFACTS:
@@ -239,7 +248,7 @@ class SweepTracker:
                 self.client.set_tag(run_id, f"{TAG}tracking_error", problem)
             self.client.set_terminated(run_id, status="FAILED")
             return problem
-        self.client.set_terminated(run_id, status=_STATUS.get(failure_class, "FAILED"))
+        self.client.set_terminated(run_id, status=_STATUS.get(RunStatus(failure_class), "FAILED"))
         return None
 
     def reconcile(self, trials: Iterable[Any], describe) -> int:
@@ -259,11 +268,13 @@ class SweepTracker:
                 continue
             run_dir = trial.user_attrs.get("run_dir")
             metrics = _result_metrics(run_dir)
-            if failure_class == "ok" and not metrics:
+            if failure_class == RunStatus.OK and metrics is None:
                 self.client.set_tag(
                     run_id, f"{TAG}tracking_error", f"the trial's metrics were not found in {run_dir}/result.json"
                 )
-                self.finish_trial(run_id, failure_class="crash", tags={**tags, f"{TAG}failure_class": "ok"})
+                self.finish_trial(
+                    run_id, failure_class=RunStatus.CRASH, tags={**tags, f"{TAG}failure_class": RunStatus.OK}
+                )
             else:
                 self.finish_trial(run_id, failure_class=failure_class, tags=tags, metrics=metrics, run_dir=run_dir)
             fixed += 1
@@ -273,12 +284,12 @@ class SweepTracker:
         self.client.set_terminated(self.parent_id, status=status)
 
 
-def _result_metrics(run_dir: str | None) -> dict[str, Any]:
-    """The metrics of a run's ``result.json`` (empty when there is none)."""
+def _result_metrics(run_dir: str | None) -> Metrics | None:
+    """The metrics of a run's ``result.json`` (None without one, or one that does not read)."""
     try:
-        return json.loads((Path(run_dir) / "result.json").read_text()).get("metrics") or {} if run_dir else {}
+        return RunResult.read(Path(run_dir)).metrics if run_dir else None
     except (OSError, ValueError):
-        return {}
+        return None
 
 
 def log_report(*, tracking_uri: str, experiment: str, study_name: str, folder: Path) -> str | None:

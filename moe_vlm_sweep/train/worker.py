@@ -34,6 +34,7 @@ import torch.distributed as dist
 from moe_vlm_sweep.launch.lifeline import watch_launcher
 from moe_vlm_sweep.launch.local import ALLOC_CONF_ENVS, SERVE_FLAG
 from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
+from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.launch.warm_host import serve
 from moe_vlm_sweep.metrics.schema import (
     COMPONENTS,
@@ -353,19 +354,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-def classify(exc: BaseException) -> str:
+def classify(exc: BaseException) -> RunStatus:
     """Failure class of an exception: a refused plan is ``invalid``, not a crash."""
     from moe_vlm_sweep.config.schema import ConfigFieldError
     from moe_vlm_sweep.plan.rules import ConfigError
     from moe_vlm_sweep.train.loop import NonFiniteLoss
 
     if isinstance(exc, (PreflightError, ConfigError, ConfigFieldError)):
-        return "invalid"
+        return RunStatus.INVALID
     if isinstance(exc, NonFiniteLoss):
-        return "nan"
+        return RunStatus.NAN
     if is_out_of_memory(exc):
-        return "oom"
-    return "crash"
+        return RunStatus.OOM
+    return RunStatus.CRASH
 
 
 class _StartupClock:
