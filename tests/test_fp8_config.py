@@ -1,0 +1,67 @@
+"""``train.precision=fp8``: a recipe knob the plan carries to the decoder, and megatron-core's own FP8 check
+mirrored by the rule table. (Training in FP8 needs an FP8 GPU: ``tests/test_gpu_fp8.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_vlm_sweep.config.compose import CONF_DIR, compose_run_config
+from moe_vlm_sweep.config.recipe import Knob, fingerprint, kind
+from moe_vlm_sweep.plan.plan import make_plan
+from moe_vlm_sweep.plan.rules import broken_rules
+from moe_vlm_sweep.sweep.recipe import check_recipe
+from moe_vlm_sweep.sweep.space import Space
+from moe_vlm_sweep.sweep.spec import SweepSpecError
+
+H100 = ["hardware=h100"]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_fp8_plan_keeps_bf16_tensors_and_names_the_recipe(recipe):
+    plan = make_plan(compose_run_config([*H100, "train.precision=fp8", f"train.fp8_recipe={recipe}"]))
+    assert plan.precision == "bf16"  # parameters and activations; the decoder's TE GEMMs run in FP8
+    assert plan.fp8_recipe == recipe
+    assert make_plan(compose_run_config(H100)).fp8_recipe is None
+
+
+def test_fp8_is_a_recipe_change_a_search_needs_an_opt_in_for():
+    assert kind("train.precision") is Knob.RECIPE and kind("train.fp8_recipe") is Knob.RECIPE
+    assert kind("hardware.fp8") is Knob.PERFORMANCE
+    bf16, fp8 = (compose_run_config([*H100, f"train.precision={p}"]) for p in ("bf16", "fp8"))
+    assert fingerprint(bf16) != fingerprint(fp8)
+    delayed, blockwise = (
+        compose_run_config([*H100, "train.precision=fp8", f"train.fp8_recipe={r}"]) for r in ("delayed", "blockwise")
+    )
+    assert fingerprint(delayed) != fingerprint(blockwise)
+    space = Space.parse({"train.precision": ["bf16", "fp8"], "train.fp8_recipe": ["delayed", "tensorwise"]})
+    with pytest.raises(SweepSpecError, match=r"sweep.params.train.precision varies train.precision"):
+        check_recipe(space, [], CONF_DIR)
+    assert set(check_recipe(space, ["train.precision", "train.fp8_recipe"], CONF_DIR)) == {
+        "train.precision",
+        "train.fp8_recipe",
+    }
+
+
+@pytest.mark.parametrize("hardware,fp8", [("cpu", False), ("h100", True), ("h200", True), ("b200", True)])
+def test_each_hardware_says_whether_it_runs_fp8(hardware, fp8):
+    assert compose_run_config([f"hardware={hardware}"]).hardware.fp8 is fp8
+
+
+def test_the_delayed_recipe_rule_mirrors_megatron_core():
+    """megatron-core's TransformerConfig refuses delayed scaling with moe_act recompute; the rule says so first."""
+    from moe_vlm_sweep.model.build import decoder_config
+
+    overrides = [*H100, "train.precision=fp8", "recompute=selective", "recompute.modules=[moe_act]"]
+    cfg = compose_run_config(overrides)
+    assert any("train.fp8_recipe=delayed cannot recompute" in m for m in broken_rules(cfg))
+    with pytest.raises(ValueError, match="Delayed scaling does not support moe_act and layernorm recompute"):
+        decoder_config(make_plan(cfg, validate=False))
+
+
+def test_fp8_dims_rule_accepts_the_shipped_models_at_an_aligned_sequence():
+    """model=small (1599 tokens) and the proxy (2623) are odd: MBS 8 or a text length one token longer aligns."""
+    for model, text_tokens in (("small", 1025), ("qwen3_vl_30b_a3b_proxy", 2049)):
+        cfg = compose_run_config([*H100, f"model={model}", "train.precision=fp8", f"model.text_tokens={text_tokens}"])
+        assert not [m for m in broken_rules(cfg) if "train.precision=fp8" in m], model
+    odd = compose_run_config([*H100, "model=small", "train.precision=fp8"])
+    assert any("needs batch.mbs a multiple of 8" in m for m in broken_rules(odd))
