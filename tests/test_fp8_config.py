@@ -65,3 +65,16 @@ def test_fp8_dims_rule_accepts_the_shipped_models_at_an_aligned_sequence():
         assert not [m for m in broken_rules(cfg) if "train.precision=fp8" in m], model
     odd = compose_run_config([*H100, "model=small", "train.precision=fp8"])
     assert any("needs batch.mbs a multiple of 8" in m for m in broken_rules(odd))
+
+
+def test_block_scaling_asks_16_of_the_tokens_too():
+    """TE's cuBLASLt call for block-scaled GEMMs wants a leading dimension of 16; the weight-gradient GEMM reduces
+    over the tokens. model=tiny at 69 text tokens: 84-token rows, 168 tokens per micro-batch of 2."""
+
+    def fp8_refusals(recipe: str) -> list[str]:
+        cfg = compose_run_config([*H100, "train.precision=fp8", f"train.fp8_recipe={recipe}", "model.text_tokens=69"])
+        return [m for m in broken_rules(cfg) if "train.precision=fp8" in m]
+
+    assert fp8_refusals("delayed") == fp8_refusals("tensorwise") == []
+    (message,) = fp8_refusals("blockwise")
+    assert "rows to be a multiple of 16" in message and "needs batch.mbs a multiple of 4" in message

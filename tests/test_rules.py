@@ -268,7 +268,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     # model=tiny at 66 text tokens: an 81-token sequence, 162 tokens per micro-batch of 2
     "fp8_gemm_dims_align": (
         [*GPU, "train.precision=fp8", "model.text_tokens=66"],
-        "batch.mbs x the sequence shard) is 162 x 64; the 81-token sequence shard needs batch.mbs a multiple of 8",
+        "(batch.mbs x the sequence shard) is 162 x 64; the 81-token sequence shard needs batch.mbs a multiple of 8",
     ),
     "packing_needs_one_stage": (
         [*GPU, "launcher=torchrun", "launcher.nproc_per_node=2", "parallel=3d", "parallel.pp=2", "data.packing=true"],

@@ -785,28 +785,33 @@ def fp8_gemm_shapes(cfg: RunConfig) -> list[tuple[str, int, int]]:
 @rule(
     Basis.RUNTIME,
     "transformer_engine/pytorch/utils.py: assert_dim_for_fp8_exec, product of leading dims % 8 == 0 and last dim "
-    "% 16 == 0, checked by TE's Linear and LayerNormLinear forward under fp8",
+    "% 16 == 0, checked by TE's Linear and LayerNormLinear forward under fp8; blockwise also "
+    "transformer_engine/common/gemm/cublaslt_gemm.cu: lda % 16 == 0 for NVTE_BLOCK_SCALING GEMMs",
 )
 def fp8_gemm_dims_align(cfg: RunConfig) -> str | None:
-    """megatron-core builds the model and starts; TE raises in the first forward. The experts' grouped GEMMs get
-    their token counts padded by megatron (``Fp8Padding`` in ``transformer/moe/experts.py``), not their widths."""
+    """megatron-core builds the model and starts; TE raises in the first forward or backward. Block scaling asks
+    16 of every GEMM dimension that becomes a reduction one: the tokens in the weight-gradient GEMM, the output
+    width in the input-gradient GEMM. The experts' grouped GEMMs get their token counts padded by megatron
+    (``Fp8Padding`` in ``transformer/moe/experts.py``, to ``fp8_utils.get_fp8_align_size``), not their widths."""
     if not _fp8(cfg):
         return None
+    rows_align = 16 if cfg.train.fp8_recipe == "blockwise" else 8
     shapes = fp8_gemm_shapes(cfg)
-    bad = [f"{what} is {rows} x {width}" for what, rows, width in shapes if rows % 8 or width % 16]
+    bad = [f"{what} is {rows} x {width}" for what, rows, width in shapes if rows % rows_align or width % 16]
     if not bad:
         return None
     tokens = shapes[0][1]
     hint = ""
-    if tokens % 8:
+    if tokens % rows_align:
         shard = tokens // cfg.batch.mbs
         hint = (
-            f"; the {shard}-token sequence shard needs batch.mbs a multiple of {8 // math.gcd(shard, 8)}, or a "
-            "model.text_tokens that makes it a multiple of 8"
+            f"; the {shard}-token sequence shard needs batch.mbs a multiple of "
+            f"{rows_align // math.gcd(shard, rows_align)}, or a model.text_tokens that makes it a multiple of "
+            f"{rows_align}"
         )
     return (
-        f"train.precision=fp8 needs each decoder GEMM's rows to be a multiple of 8 and its inner width of 16, "
-        f"but {'; '.join(bad)}{hint}"
+        f"train.precision=fp8 with train.fp8_recipe={cfg.train.fp8_recipe} needs each decoder GEMM's rows to be a "
+        f"multiple of {rows_align} and its inner width of 16, but {'; '.join(bad)}{hint}"
     )
 
 
