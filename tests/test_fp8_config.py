@@ -78,3 +78,15 @@ def test_block_scaling_asks_16_of_the_tokens_too():
     assert fp8_refusals("delayed") == fp8_refusals("tensorwise") == []
     (message,) = fp8_refusals("blockwise")
     assert "rows to be a multiple of 16" in message and "needs batch.mbs a multiple of 4" in message
+
+
+def test_fp8_adds_te_weight_copies_to_the_memory_estimate():
+    """The proxy's decoder GEMMs (4 layers: 128 experts of 3 x 2048 x 768, attention 2048 x 9216) in FP8, rowwise
+    and transposed: 2 bytes a weight on top of the bf16 run's estimate."""
+    from moe_vlm_sweep.plan.memory import GIB, estimate, fp8_weight_bytes
+
+    common = [*H100, "model=qwen3_vl_30b_a3b_proxy", "parallel=3d", "batch.mbs=2", "batch.gbs=8"]
+    bf16, fp8 = (compose_run_config([*common, f"train.precision={p}"]) for p in ("bf16", "fp8"))
+    gemm_weights = 4 * (128 * 3 * 2048 * 768 + 2048 * 128 * (2 * 32 + 2 * 4))
+    assert fp8_weight_bytes(fp8) == 2 * gemm_weights and fp8_weight_bytes(bf16) == 0
+    assert estimate(fp8).total_gib == pytest.approx(estimate(bf16).total_gib + 2 * gemm_weights / GIB)
