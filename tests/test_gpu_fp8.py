@@ -28,7 +28,8 @@ COMMON = (
     "batch.mbs=2",
     "batch.gbs=4",
     "train.warmup_steps=2",
-    "train.steps=6",
+    "train.steps=8",
+    "train.lr=3e-3",
     "train.profile_steps=0",
     "data.fixed_batch=true",
     "cuda_graph=none",
@@ -49,8 +50,20 @@ def bf16(tmp_path_factory) -> dict:
     return _run(tmp_path_factory.mktemp("bf16"), "train.precision=bf16")
 
 
+def _te_supports(recipe: str) -> tuple[bool, str]:
+    """TE's own verdict on this GPU (block scaling also needs CUDA 12.9); the worker's preflight refuses the
+    recipe with this reason where it is false."""
+    import transformer_engine.pytorch as te
+
+    check = te.is_fp8_block_scaling_available if recipe == "blockwise" else te.is_fp8_available
+    return check(return_reason=True)
+
+
 @pytest.mark.parametrize("recipe", sorted(TE_RECIPES))
 def test_fp8_recipe_trains_the_decoder_in_fp8_near_the_bf16_loss(recipe, bf16, tmp_path):
+    supported, reason = _te_supports(recipe)
+    if not supported:
+        pytest.skip(f"Transformer Engine runs no {recipe} FP8 here: {reason}")
     fp8 = _run(tmp_path, "train.precision=fp8", f"train.fp8_recipe={recipe}")
     assert bf16["fp8"] is None
     scope = fp8["fp8"]
@@ -72,5 +85,5 @@ def test_fp8_recipe_trains_the_decoder_in_fp8_near_the_bf16_loss(recipe, bf16, t
     assert all(math.isfinite(v) for v in losses)
     assert losses != reference  # FP8 rounding changes the numbers: the GEMMs really ran in FP8
     assert losses[0] == pytest.approx(reference[0], rel=2e-2)  # the same weights, batch and seed
-    assert losses == pytest.approx(reference, rel=5e-2)
-    assert losses[-1] < losses[0]  # and it learns the fixed batch as bf16 does
+    assert losses[-1] == pytest.approx(reference[-1], rel=1e-1)
+    assert reference[-1] < 0.9 * reference[0] and losses[-1] < 0.9 * losses[0]  # both learn the fixed batch

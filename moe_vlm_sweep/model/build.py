@@ -266,9 +266,10 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
 def precision_scope(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     """After training: which of this rank's matrix-holding modules ran their last forward in FP8, as TE itself
     recorded it (``TransformerEngineBaseModule.fp8``, set from TE's global FP8 state on each forward), counted by
-    name with layer numbers as ``*``, and the TE recipe classes they ran. megatron's ``TransformerBlock.forward``
-    enters ``fp8_autocast`` around the decoder layers only (``fp8_utils.get_fp8_context``), so the ViT, the
-    projector, the embedding, the router and the output layer land in ``bf16_modules``."""
+    name with layer numbers as ``*``, and the TE recipe classes they ran (TE's own, under megatron's wrappers).
+    megatron's ``TransformerBlock.forward`` enters ``fp8_autocast`` around the decoder layers only
+    (``fp8_utils.get_fp8_context``), so the ViT, the projector, the embedding, the router and the output layer
+    land in ``bf16_modules``."""
     import re
 
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
@@ -282,7 +283,10 @@ def precision_scope(chunks: list[torch.nn.Module]) -> dict[str, Any]:
                 continue
             ran_fp8 = isinstance(module, TransformerEngineBaseModule) and bool(getattr(module, "fp8", False))
             if ran_fp8 and (recipe := module.fp8_meta.get("recipe")) is not None:
-                recipes.add(type(recipe).__name__)
+                # TE's own class (megatron wraps DelayedScaling as TEDelayedScaling)
+                recipes.add(
+                    next(c for c in type(recipe).__mro__ if c.__module__.startswith("transformer_engine")).__name__
+                )
             counts = fp8 if ran_fp8 else bf16
             key = re.sub(r"\.\d+(?=\.|$)", ".*", name.removeprefix("module."))
             counts[key] = counts.get(key, 0) + 1
