@@ -90,3 +90,17 @@ def test_fp8_adds_te_weight_copies_to_the_memory_estimate():
     gemm_weights = 4 * (128 * 3 * 2048 * 768 + 2048 * 128 * (2 * 32 + 2 * 4))
     assert fp8_weight_bytes(fp8) == 2 * gemm_weights and fp8_weight_bytes(bf16) == 0
     assert estimate(fp8).total_gib == pytest.approx(estimate(bf16).total_gib + 2 * gemm_weights / GIB)
+
+
+def test_the_fp8_scope_in_metrics_is_no_tracked_metric():
+    """MLflow metric names allow no ``*``: the module counts are [name, count] pairs, which tracking skips."""
+    from moe_vlm_sweep.tracking.mlflow_sink import _metrics
+
+    fp8 = {
+        "recipe": "delayed",
+        "format": "hybrid",
+        "te_recipes": ["DelayedScaling"],
+        "fp8_modules": [["language_model.decoder.layers.*.self_attention.linear_qkv", 2]],
+        "bf16_modules": [["language_model.output_layer", 1]],
+    }
+    assert [m.key for m in _metrics({"mfu": 0.1, "fp8": fp8}, 0)] == ["mfu"]

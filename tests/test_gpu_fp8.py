@@ -70,13 +70,13 @@ def test_fp8_recipe_trains_the_decoder_in_fp8_near_the_bf16_loss(recipe, bf16, t
     assert scope["recipe"] == recipe and scope["format"] == "hybrid"
     assert scope["te_recipes"] == [TE_RECIPES[recipe]]  # what TE itself ran, not what was asked
     layers = "language_model.decoder.layers.*."
-    assert scope["fp8_modules"] == {
+    assert dict(scope["fp8_modules"]) == {
         f"{layers}self_attention.linear_qkv": 2,  # model=tiny: two decoder layers
         f"{layers}self_attention.linear_proj": 2,
         f"{layers}mlp.experts.linear_fc1": 2,
         f"{layers}mlp.experts.linear_fc2": 2,
     }
-    bf16_modules = scope["bf16_modules"]
+    bf16_modules = dict(scope["bf16_modules"])
     assert "language_model.output_layer" in bf16_modules and f"{layers}mlp.router" in bf16_modules
     assert any(name.startswith("vision_model.") for name in bf16_modules)
     assert any(name.startswith("vision_projection.") for name in bf16_modules)

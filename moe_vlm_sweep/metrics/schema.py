@@ -153,7 +153,7 @@ class Metrics:
     fp8: dict[str, Any] | None = None
     """``train.precision=fp8`` runs: ``recipe`` (``train.fp8_recipe``), ``format`` (``hybrid``: E4M3 forward, E5M2
     gradients), ``te_recipes`` (the TE recipe classes the FP8 modules ran) and, on rank 0's model after training,
-    the modules holding a matrix by name (layer numbers as ``*``) and count: ``fp8_modules``, those whose last
+    the modules holding a matrix as [name, count] pairs (layer numbers as ``*``): ``fp8_modules``, those whose last
     forward TE ran in FP8 (its own record), and ``bf16_modules``, the rest (the ViT, the projector, the embedding,
     the router, the output layer). None without FP8."""
     component_split: ComponentSplit | None = None

@@ -266,7 +266,7 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
 def precision_scope(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     """After training: which of this rank's matrix-holding modules ran their last forward in FP8, as TE itself
     recorded it (``TransformerEngineBaseModule.fp8``, set from TE's global FP8 state on each forward), counted by
-    name with layer numbers as ``*``, and the TE recipe classes they ran (TE's own, under megatron's wrappers).
+    name with layer numbers as ``*`` ([name, count] pairs), and the TE recipe classes they ran (TE's own, under megatron's wrappers).
     megatron's ``TransformerBlock.forward`` enters ``fp8_autocast`` around the decoder layers only
     (``fp8_utils.get_fp8_context``), so the ViT, the projector, the embedding, the router and the output layer
     land in ``bf16_modules``."""
@@ -290,4 +290,5 @@ def precision_scope(chunks: list[torch.nn.Module]) -> dict[str, Any]:
             counts = fp8 if ran_fp8 else bf16
             key = re.sub(r"\.\d+(?=\.|$)", ".*", name.removeprefix("module."))
             counts[key] = counts.get(key, 0) + 1
-    return {"te_recipes": sorted(recipes), "fp8_modules": fp8, "bf16_modules": bf16}
+    # [name, count] pairs, not a mapping: tracking would log a mapping's numbers as metrics named after the modules
+    return {"te_recipes": sorted(recipes), "fp8_modules": sorted(fp8.items()), "bf16_modules": sorted(bf16.items())}
