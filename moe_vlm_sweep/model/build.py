@@ -266,10 +266,10 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
 def precision_scope(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     """After training: which of this rank's matrix-holding modules ran their last forward in FP8, as TE itself
     recorded it (``TransformerEngineBaseModule.fp8``, set from TE's global FP8 state on each forward), counted by
-    name with layer numbers as ``*`` ([name, count] pairs), and the TE recipe classes they ran (TE's own, under megatron's wrappers).
-    megatron's ``TransformerBlock.forward`` enters ``fp8_autocast`` around the decoder layers only
-    (``fp8_utils.get_fp8_context``), so the ViT, the projector, the embedding, the router and the output layer
-    land in ``bf16_modules``."""
+    name with layer numbers as ``*`` ([name, count] pairs), and the TE recipe classes they ran (TE's own, under
+    megatron's wrappers). megatron's ``TransformerBlock.forward`` enters ``fp8_autocast`` around the decoder
+    layers only (``fp8_utils.get_fp8_context``), so the ViT, the projector, the embedding, the router and the
+    output layer land in ``bf16_modules``."""
     import re
 
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule

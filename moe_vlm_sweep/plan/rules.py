@@ -706,8 +706,8 @@ def _fp8(cfg: RunConfig) -> bool:
 def fp8_needs_fp8_hardware(cfg: RunConfig) -> str | None:
     if _fp8(cfg) and not cfg.hardware.fp8:
         return (
-            f"train.precision=fp8 needs GPU hardware with FP8 GEMMs (Hopper or later), but hardware={cfg.hardware.name} "
-            "has hardware.fp8=false"
+            "train.precision=fp8 needs GPU hardware with FP8 GEMMs (Hopper or later), but "
+            f"hardware={cfg.hardware.name} has hardware.fp8=false"
         )
 
 
