@@ -289,12 +289,13 @@ class FusionsConf:
     pair on against this default in one invocation. ``gradient_accumulation``: one megatron flag for the whole
     model; TE's layers would fuse it with their own GEMM, but the output layer is megatron's ColumnParallelLinear,
     which needs APEX's ``fused_weight_gradient_mlp_cuda`` extension that TE-only installs lack; set it true where
-    APEX is built (the worker's preflight checks and says where megatron raises). ``bias_activation``
-    (megatron's ``bias_activation_fusion``: one kernel for SwiGLU, weighted by the router's probabilities in the
-    experts, where unfused megatron runs four and saves three more tensors of the expert width per routed token) is
-    measured on the H200 only as a memory saver (with the unfused loss it lets MBS 96 fit:
-    ``benchmarks/results/h200_small_fused/``), not alone for speed, so it is not a default;
-    ``benchmarks/h200_call.sh``'s ``fusions`` step measures it. ``moe_router`` (megatron's ``moe_router_fusion``: TE's fused top-k with its score function and the aux-loss statistics, where unfused
+    APEX is built (the worker's preflight checks and says where megatron raises).
+    ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
+    SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
+    three more tensors of the expert width per routed token) is measured on the H200 only as a memory saver
+    (with the unfused loss it lets MBS 96 fit: ``benchmarks/results/h200_small_fused/``), not alone for speed, so
+    it is not a default; ``benchmarks/h200_call.sh``'s ``fusions`` step measures it. ``moe_router`` (megatron's
+    ``moe_router_fusion``: TE's fused top-k with its score function and the aux-loss statistics, where unfused
     megatron runs a dozen small kernels per MoE layer) is not yet measured on the H200 either.
     ``linear_cross_entropy`` is the project's own fusion (``model/linear_cross_entropy.py``): the output layer and
     the loss computed a chunk of tokens at a time, so the whole logits and their fp32 copy never exist; it replaces
