@@ -1,4 +1,4 @@
-"""``fusions.gradient_accumulation`` without APEX: refused by the worker's preflight with megatron-core's reason,
+"""``fusions.gradient_accumulation`` without APEX: rejected by the worker's preflight with megatron-core's reason,
 which these tests hold against megatron-core itself (TE's layers alone would run it; the output layer does not)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from moe_vlm_sweep.plan.plan import make_plan
 
 needs_no_apex = pytest.mark.skipif(
     importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-    reason="APEX's fused_weight_gradient_mlp_cuda is installed here, so the fusion is not refused",
+    reason="APEX's fused_weight_gradient_mlp_cuda is installed here, so the fusion is not rejected",
 )
 
 
@@ -22,10 +22,10 @@ def test_preflight_refuses_it_naming_megatrons_check():
     from moe_vlm_sweep.train.worker import GRADIENT_ACCUMULATION_NEEDS_APEX, PreflightError, preflight
 
     plan = make_plan(compose_run_config(["hardware=h100", "fusions.gradient_accumulation=true"]))
-    with pytest.raises(PreflightError) as refused:
+    with pytest.raises(PreflightError) as rejected:
         preflight(plan)
-    assert GRADIENT_ACCUMULATION_NEEDS_APEX in str(refused.value)
-    assert "megatron/core/tensor_parallel/layers.py: ColumnParallelLinear.__init__" in str(refused.value)
+    assert GRADIENT_ACCUMULATION_NEEDS_APEX in str(rejected.value)
+    assert "megatron/core/tensor_parallel/layers.py: ColumnParallelLinear.__init__" in str(rejected.value)
 
 
 def test_the_output_layer_is_megatrons_column_parallel_linear_on_hopper():

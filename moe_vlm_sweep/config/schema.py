@@ -401,7 +401,7 @@ class HardwareConf:
     """On the CPU: the most worker processes one node runs."""
     fp8: bool = False
     """The GPU runs FP8 GEMMs (Hopper and later: Transformer Engine's ``check_fp8_support`` wants compute
-    capability 9.0, or 8.9 with CUDA 12.1); ``train.precision=fp8`` is refused where false."""
+    capability 9.0, or 8.9 with CUDA 12.1); ``train.precision=fp8`` is rejected where false."""
 
     def __post_init__(self) -> None:
         _choice("hardware.device", self.device, ("cpu", "cuda"))

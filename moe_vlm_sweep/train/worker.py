@@ -64,7 +64,7 @@ GRADIENT_ACCUMULATION_NEEDS_APEX = (
     "`if config.gradient_accumulation_fusion and not _grad_accum_fusion_available: raise RuntimeError`). "
     "Install APEX with --cpp_ext --cuda_ext, or set fusions.gradient_accumulation=false"
 )
-"""Why the fusion is refused without APEX although TE layers would run it: one config flag for the whole model,
+"""Why the fusion is rejected without APEX although TE layers would run it: one config flag for the whole model,
 and one layer that is not TE's."""
 
 
