@@ -248,6 +248,28 @@ CASES: dict[str, tuple[list[str], str]] = {
         [*GPU, "train.transformer_impl=local", "data.packing=true"],
         "needs fusions.masked_softmax=false",
     ),
+    "fp8_needs_fp8_hardware": (
+        ["train.precision=fp8"],
+        "train.precision=fp8 needs GPU hardware with FP8 GEMMs (Hopper or later), but hardware=cpu has "
+        "hardware.fp8=false",
+    ),
+    "fp8_needs_te_specs": (
+        [*GPU, "train.precision=fp8", "train.transformer_impl=local"],
+        "with train.transformer_impl=local no layer is TE's",
+    ),
+    "fp8_delayed_excludes_moe_act_recompute": (
+        [*GPU, "train.precision=fp8", "recompute=selective", "recompute.modules=[moe_act]"],
+        "recompute.modules contains moe_act, which train.fp8_recipe=delayed cannot recompute",
+    ),
+    "fp8_excludes_packing": (
+        [*GPU, "train.precision=fp8", "data.packing=true"],
+        "train.precision=fp8 with data.packing=true",
+    ),
+    # model=tiny at 66 text tokens: an 81-token sequence, 162 tokens per micro-batch of 2
+    "fp8_gemm_dims_align": (
+        [*GPU, "train.precision=fp8", "model.text_tokens=66"],
+        "(batch.mbs x the sequence shard) is 162 x 64; the 81-token sequence shard needs batch.mbs a multiple of 8",
+    ),
     "packing_needs_one_stage": (
         [*GPU, "launcher=torchrun", "launcher.nproc_per_node=2", "parallel=3d", "parallel.pp=2", "data.packing=true"],
         "data.packing=true with parallel.pp=2",
@@ -256,6 +278,8 @@ CASES: dict[str, tuple[list[str], str]] = {
 
 # Field rules, checked by each group's __post_init__ at composition.
 FIELD_CASES = [
+    (["train.precision=fp16"], "train.precision='fp16' must be one of auto, bf16, fp32, fp8"),
+    (["train.fp8_recipe=mxfp8"], "train.fp8_recipe='mxfp8' must be one of delayed, tensorwise, blockwise"),
     (["batch.mbs=0"], "batch.mbs=0 must be > 0"),
     (["model.decoder.moe_router_topk=8"], "model.decoder.moe_router_topk=8 must be <= model.decoder.num_experts=4"),
     (["model.vision.image_size=50"], "model.vision.image_size=50 must be a multiple of model.vision.patch_size=14"),

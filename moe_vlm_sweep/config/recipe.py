@@ -138,7 +138,7 @@ KNOBS: dict[str, Knob] = {
     "data.packing": P,
     "data.seed": R,
     "data.shards": R,
-    **{f"hardware.{f}": P for f in ("name", "device", "peak_bf16_tflops", "memory_gib", "gpus_per_node")},
+    **{f"hardware.{f}": P for f in ("name", "device", "peak_bf16_tflops", "memory_gib", "gpus_per_node", "fp8")},
     "launcher.name": P,
     "launcher.nproc_per_node": P,
     "launcher.nnodes": P,
@@ -164,6 +164,7 @@ KNOBS: dict[str, Knob] = {
     "train.seed": R,
     "train.lr": R,
     "train.precision": R,
+    "train.fp8_recipe": R,  # FP8 GEMMs change the numerics: a search varies them only when told
     "outputs_dir": P,
 }
 """Every leaf field of :class:`RunConfig`, by its dotted path, and its kind."""

@@ -286,9 +286,11 @@ class FusionsConf:
     with the previous run's caches, 2.2 s with ``fusions=off``, at step times within the runs' noise; and the fused
     loss holds an fp32 copy of the logits (``plan/memory.py``). The other fusions are Transformer Engine kernels,
     built with TE, that cost nothing to start. ``benchmarks/trial_cost.py``'s GPU preset measures the compiled
-    pair on against this default in one invocation. ``gradient_accumulation``: megatron's version needs APEX's
-    ``fused_weight_gradient_mlp_cuda`` extension, which TE-only installs lack; set it true where APEX is built
-    (the worker's preflight checks). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
+    pair on against this default in one invocation. ``gradient_accumulation``: one megatron flag for the whole
+    model; TE's layers would fuse it with their own GEMM, but the output layer is megatron's ColumnParallelLinear,
+    which needs APEX's ``fused_weight_gradient_mlp_cuda`` extension that TE-only installs lack; set it true where
+    APEX is built (the worker's preflight checks and says where megatron raises).
+    ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
     three more tensors of the expert width per routed token) is measured on the H200 only as a memory saver
     (with the unfused loss it lets MBS 96 fit: ``benchmarks/results/h200_small_fused/``), not alone for speed, so
@@ -397,6 +399,9 @@ class HardwareConf:
     memory_gib: float = 16.0
     gpus_per_node: int = 4
     """On the CPU: the most worker processes one node runs."""
+    fp8: bool = False
+    """The GPU runs FP8 GEMMs (Hopper and later: Transformer Engine's ``check_fp8_support`` wants compute
+    capability 9.0, or 8.9 with CUDA 12.1); ``train.precision=fp8`` is rejected where false."""
 
     def __post_init__(self) -> None:
         _choice("hardware.device", self.device, ("cpu", "cuda"))
@@ -435,6 +440,10 @@ class TrackingConf:
         _choice("tracking.backend", self.backend, ("none", "mlflow"))
 
 
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+"""Transformer Engine's FP8 scaling recipes for Hopper, by megatron-core's names (``fp8_utils.get_fp8_recipe``)."""
+
+
 @dataclass(kw_only=True)
 class TrainConf:
     warmup_steps: int = 2
@@ -462,7 +471,15 @@ class TrainConf:
     seed: int = 1234
     lr: float = 1e-3
     precision: str = "auto"
-    """``auto``: bf16 on GPU, fp32 on the CPU."""
+    """``auto``: bf16 on GPU, fp32 on the CPU. ``fp8``: bf16 parameters and activations, with the decoder's
+    Transformer Engine GEMMs in FP8 (megatron-core's ``fp8="hybrid"``: E4M3 forward, E5M2 gradients) under
+    ``fp8_recipe``; the vision encoder, the projector, the embedding, the output layer and the router stay bf16.
+    It changes the numerics, so it is a recipe field (``config/recipe.py``)."""
+    fp8_recipe: str = "delayed"
+    """With ``precision=fp8``: Transformer Engine's scaling recipe as megatron-core names it
+    (``TransformerConfig.fp8_recipe``): ``delayed`` (one scale per tensor from past steps' amax), ``tensorwise``
+    (per-tensor current scaling, ``Float8CurrentScaling``) or ``blockwise`` (1x128 / 128x128 block scales,
+    ``Float8BlockScaling``, CUDA 12.9+). Hopper's recipes only: ``mxfp8`` needs Blackwell."""
     transformer_impl: str = "auto"
     """``auto``: Transformer Engine specs on GPU, local specs on the CPU."""
 
@@ -472,13 +489,23 @@ class TrainConf:
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.timeout_s", self.timeout_s)
         _positive("train.lr", self.lr)
-        _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
+        _choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp8"))
+        _choice("train.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         _choice("train.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine"))
 
     def resolved_precision(self, device: str) -> str:
+        """The dtype parameters and activations are kept in: ``fp8`` runs keep them in bf16 (``fp8_in_use``
+        says which FP8 recipe the decoder's GEMMs run)."""
+        if self.precision == "fp8":
+            return "bf16"
         if self.precision != "auto":
             return self.precision
         return "bf16" if device == "cuda" else "fp32"
+
+    @property
+    def fp8_in_use(self) -> str | None:
+        """The FP8 recipe of the decoder's GEMMs, or None for a run without FP8."""
+        return self.fp8_recipe if self.precision == "fp8" else None
 
     def resolved_transformer_impl(self, device: str) -> str:
         if self.transformer_impl != "auto":

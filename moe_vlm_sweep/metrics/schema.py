@@ -120,7 +120,10 @@ class Metrics:
     """Useful TFLOP/s per GPU (or per CPU worker process)."""
     hardware_tflops_per_s_per_gpu: float
     mfu: float
-    """Useful FLOP/s per GPU over ``peak_tflops``."""
+    """Useful FLOP/s per GPU over ``peak_tflops``. On a GPU that is the card's dense bf16 peak whatever the run's
+    precision, FP8 runs included (whose GEMMs could reach about twice it), so bf16 and FP8 runs compare on one
+    scale: an FP8 run's MFU says how much faster it trains the same model, not how close FP8 runs to its own
+    peak."""
     hfu: float
     """Executed FLOP/s per GPU (recompute included) over ``peak_tflops``."""
     peak_tflops: float
@@ -150,6 +153,12 @@ class Metrics:
     graphed_layers: int = 0
     """Decoder layers per rank that replayed CUDA graphs in the measured steps (0 with ``cuda_graph=none``);
     a graph scope that graphed nothing fails the run instead of being measured as eager."""
+    fp8: dict[str, Any] | None = None
+    """``train.precision=fp8`` runs: ``recipe`` (``train.fp8_recipe``), ``format`` (``hybrid``: E4M3 forward, E5M2
+    gradients), ``te_recipes`` (the TE recipe classes the FP8 modules ran) and, on rank 0's model after training,
+    the modules holding a matrix as [name, count] pairs (layer numbers as ``*``): ``fp8_modules``, those whose last
+    forward TE ran in FP8 (its own record), and ``bf16_modules``, the rest (the ViT, the projector, the embedding,
+    the router, the output layer). None without FP8."""
     component_split: ComponentSplit | None = None
     """None when train.profile_steps is 0."""
     saved_activations: SavedActivations | None = None

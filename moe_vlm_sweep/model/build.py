@@ -93,6 +93,10 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         cuda_graph_warmup_steps=cg.warmup_steps,
         use_te_rng_tracker=plan.graph_rng == "te",
         bf16=bf16,
+        # FP8: megatron's TransformerBlock enters TE's fp8_autocast around its layers (fp8_utils.get_fp8_context),
+        # so the decoder layers' TE GEMMs run in FP8; what runs outside the block stays bf16
+        fp8="hybrid" if plan.fp8_recipe else None,
+        **({"fp8_recipe": plan.fp8_recipe} if plan.fp8_recipe else {}),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         # Per-token loss: the schedule sums (loss, tokens) over micro-batches and finalize_model_grads divides the
@@ -139,6 +143,7 @@ def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
         cuda_graph_modules=[],
         inference_cuda_graph_scope=None,
         bias_activation_fusion=False,
+        fp8=None,  # the ViT and the projector stay bf16: FP8 is the decoder's (train.precision=fp8)
     )
     kwargs = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     kwargs.update(moe_off, **pipeline_off, **no_extras, **fields)
@@ -256,3 +261,34 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
             linear_cross_entropy.install(model.language_model)
         chunks.append(model)
     return chunks
+
+
+def precision_scope(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """After training: which of this rank's matrix-holding modules ran their last forward in FP8, as TE itself
+    recorded it (``TransformerEngineBaseModule.fp8``, set from TE's global FP8 state on each forward), counted by
+    name with layer numbers as ``*`` ([name, count] pairs), and the TE recipe classes they ran (TE's own, under
+    megatron's wrappers). megatron's ``TransformerBlock.forward`` enters ``fp8_autocast`` around the decoder
+    layers only (``fp8_utils.get_fp8_context``), so the ViT, the projector, the embedding, the router and the
+    output layer land in ``bf16_modules``."""
+    import re
+
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    fp8: dict[str, int] = {}
+    bf16: dict[str, int] = {}
+    recipes: set[str] = set()
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+                continue
+            ran_fp8 = isinstance(module, TransformerEngineBaseModule) and bool(getattr(module, "fp8", False))
+            if ran_fp8 and (recipe := module.fp8_meta.get("recipe")) is not None:
+                # TE's own class (megatron wraps DelayedScaling as TEDelayedScaling)
+                recipes.add(
+                    next(c for c in type(recipe).__mro__ if c.__module__.startswith("transformer_engine")).__name__
+                )
+            counts = fp8 if ran_fp8 else bf16
+            key = re.sub(r"\.\d+(?=\.|$)", ".*", name.removeprefix("module."))
+            counts[key] = counts.get(key, 0) + 1
+    # [name, count] pairs, not a mapping: tracking would log a mapping's numbers as metrics named after the modules
+    return {"te_recipes": sorted(recipes), "fp8_modules": sorted(fp8.items()), "bf16_modules": sorted(bf16.items())}

@@ -12,6 +12,8 @@ Static memory per rank (megatron-core, bf16, distributed optimizer):
   parameters by EP x ETP and PP; Megatron-FSDP shards gradients (``optim_grads``) and weights
   (``optim_grads_params``) over data parallelism too. The rank holding the most is counted: the first pipeline
   stage (embedding, vision encoder, projector) or the last (output layer). Frozen modules hold weights only.
+  ``train.precision=fp8`` adds TE's FP8 copies of the decoder's GEMM weights (:data:`FP8_WEIGHT_BYTES`); its
+  activations are counted as bf16 (TE saves some GEMM inputs in FP8, so the bound stays a bound).
 
 Activations per micro-batch, saved for backward (bytes per token per layer, bf16, flash attention: no s x s
 term), after Korthikanti et al. 2022 adapted to GQA, SwiGLU experts and top-k routing, and then to what
@@ -267,7 +269,27 @@ def static_bytes(cfg: RunConfig, dp: int, edp: int) -> float:
     first = per_rank(body + (n.embedding / p.tp + vision), dp) + per_rank(frozen / p.tp, dp, trained=False)
     last = per_rank(body + n.output_layer / p.tp, dp)
     dense = max(first, last) if p.pp > 1 else first + per_rank(n.output_layer / p.tp, dp)
-    return dense + per_rank(n.experts / (p.ep * p.etp * p.pp), edp)
+    return dense + per_rank(n.experts / (p.ep * p.etp * p.pp), edp) + fp8_weight_bytes(cfg)
+
+
+FP8_WEIGHT_BYTES = 2
+"""``train.precision=fp8``: bytes per decoder GEMM weight that TE holds in FP8 next to the bf16 weight, the
+row-wise copy its forward reads and the column-wise (transposed) one its input-gradient GEMM reads, kept between
+micro-batches (megatron passes TE ``is_first_microbatch`` unless ``disable_parameter_transpose_cache``)."""
+
+
+def fp8_weight_bytes(cfg: RunConfig) -> float:
+    """FP8 copies of one rank's decoder GEMM weights (attention, dense MLPs, shared and routed experts; not the
+    routers, which stay bf16); 0 without FP8."""
+    if cfg.train.precision != "fp8":
+        return 0.0
+    d, p = cfg.model.decoder, cfg.parallel
+    attention = d.hidden_size * d.head_dim * (2 * d.num_attention_heads + 2 * d.num_query_groups)
+    dense = (d.num_layers - d.num_moe_layers) * 3 * d.hidden_size * d.ffn_hidden_size
+    shared = d.num_moe_layers * 3 * d.hidden_size * (d.moe_shared_expert_intermediate_size or 0)
+    body = (d.num_layers * attention + dense + shared) / (p.tp * p.pp)
+    experts = parameter_counts(cfg.model).experts / (p.ep * p.etp * p.pp)
+    return (body + experts) * FP8_WEIGHT_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)

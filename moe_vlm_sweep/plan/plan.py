@@ -42,6 +42,9 @@ class RunPlan:
     fusions: dict[str, bool]
     predicted_peak_memory_gib: float | None = None
     """GPU runs: the lower-bound peak memory of the most loaded rank (``plan/memory.py``); None on the CPU."""
+    fp8_recipe: str | None = None
+    """The FP8 recipe the decoder's GEMMs run (``train.precision=fp8``), or None; ``precision`` is then bf16, the
+    dtype parameters and activations keep."""
     recipe: dict[str, Any] | None = None
     """What the run trains (``config/recipe.py``): ``fingerprint``, a short hash of the recipe fields, and
     ``differs``, the recipe fields that differ from the model's defaults."""
@@ -103,6 +106,7 @@ def make_plan(cfg: RunConfig, overrides: list[str] | tuple[str, ...] = (), *, va
         precision=cfg.train.resolved_precision(cfg.hardware.device),
         transformer_impl=cfg.train.resolved_transformer_impl(cfg.hardware.device),
         fusions=cfg.fusions.resolved(on_gpu=on_gpu),
+        fp8_recipe=cfg.train.fp8_in_use,
         predicted_peak_memory_gib=round(estimate(cfg).total_gib, 2) if on_gpu else None,
         recipe=recipe.summary(cfg),
     )
@@ -118,7 +122,12 @@ def describe(plan: RunPlan) -> str:
             f"{cfg.model.decoder.num_layers}L {cfg.model.decoder.num_experts} experts "
             f"top-{cfg.model.decoder.moe_router_topk})",
         ),
-        ("hardware", f"{cfg.hardware.name} ({plan.device}, {plan.transformer_impl} specs, {plan.precision})"),
+        (
+            "hardware",
+            f"{cfg.hardware.name} ({plan.device}, {plan.transformer_impl} specs, {plan.precision}"
+            + (f", decoder GEMMs in FP8 ({plan.fp8_recipe} scaling)" if plan.fp8_recipe else "")
+            + ")",
+        ),
         (
             "launcher",
             f"{cfg.launcher.name}: {cfg.launcher.nnodes} node(s) x {cfg.launcher.nproc_per_node} "

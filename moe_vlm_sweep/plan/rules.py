@@ -695,6 +695,126 @@ def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool
     )
 
 
+# --- precision ---------------------------------------------------------------------------------------------
+
+
+def _fp8(cfg: RunConfig) -> bool:
+    return cfg.train.precision == "fp8"
+
+
+@rule(Basis.RUNTIME)
+def fp8_needs_fp8_hardware(cfg: RunConfig) -> str | None:
+    if _fp8(cfg) and not cfg.hardware.fp8:
+        return (
+            "train.precision=fp8 needs GPU hardware with FP8 GEMMs (Hopper or later), but "
+            f"hardware={cfg.hardware.name} has hardware.fp8=false"
+        )
+
+
+@rule(Basis.IGNORED)
+def fp8_needs_te_specs(cfg: RunConfig) -> str | None:
+    """megatron enters TE's fp8_autocast around the decoder layers whatever their specs; only TE modules read it."""
+    if _fp8(cfg) and cfg.hardware.device == "cuda" and not _uses_te(cfg):
+        return (
+            "train.precision=fp8 runs the decoder's Transformer Engine GEMMs in FP8; with "
+            "train.transformer_impl=local no layer is TE's and the run would train in bf16"
+        )
+
+
+@rule(Basis.MEGATRON, f"{TC}: Delayed scaling does not support moe_act and layernorm recompute for fp8")
+def fp8_delayed_excludes_moe_act_recompute(cfg: RunConfig) -> str | None:
+    modules = sorted({"moe_act", "layernorm"} & set(cfg.recompute.modules))
+    if _fp8(cfg) and cfg.train.fp8_recipe == "delayed" and modules and cfg.recompute.granularity == "selective":
+        return (
+            f"recompute.modules contains {' and '.join(modules)}, which train.fp8_recipe=delayed cannot recompute: "
+            "use train.fp8_recipe=tensorwise or blockwise, or drop them"
+        )
+
+
+@rule(Basis.RUNTIME)
+def fp8_excludes_packing(cfg: RunConfig) -> str | None:
+    if _fp8(cfg) and cfg.data.packing:
+        return (
+            "train.precision=fp8 with data.packing=true: a packed micro-batch holds its samples' real tokens, a "
+            "count TE's FP8 GEMMs refuse unless it is a multiple of 8 (transformer_engine/pytorch/utils.py: "
+            "assert_dim_for_fp8_exec), and it changes every micro-batch; use data.packing=false"
+        )
+
+
+def fp8_gemm_shapes(cfg: RunConfig) -> list[tuple[str, int, int]]:
+    """Each FP8 GEMM of a decoder layer on one rank as TE checks it: (what, rows, inner width), the rows a multiple
+    of 8 and the width of 16. The weights are [out, in] per rank; the input's rows are the micro-batch's tokens
+    on the rank (a column-parallel layer checks its sequence shard under SP before gathering it)."""
+    d, p, mbs = cfg.model.decoder, cfg.parallel, cfg.batch.mbs
+    tp, etp = p.tp, p.etp
+    tokens = sharded_seq_length(cfg) // p.cp // (tp if p.sp else 1) * mbs
+    qkv = d.head_dim * (d.num_attention_heads + 2 * d.num_query_groups)
+    attn = d.head_dim * d.num_attention_heads
+    shapes = [
+        ("the tokens of a micro-batch on a rank (batch.mbs x the sequence shard)", tokens, d.hidden_size),
+        ("attention linear_qkv weight [qkv width / tp, hidden_size]", qkv // tp, d.hidden_size),
+        ("attention linear_proj weight [hidden_size, heads x head_dim / tp]", d.hidden_size, attn // tp),
+        (
+            "expert linear_fc1 weight [2 x moe_ffn_hidden_size / etp, hidden_size]",
+            2 * d.moe_ffn_hidden_size // etp,
+            d.hidden_size,
+        ),
+        (
+            "expert linear_fc2 weight [hidden_size, moe_ffn_hidden_size / etp]",
+            d.hidden_size,
+            d.moe_ffn_hidden_size // etp,
+        ),
+    ]
+    if d.moe_layer_freq > 1:
+        shapes += [
+            (
+                "dense linear_fc1 weight [2 x ffn_hidden_size / tp, hidden_size]",
+                2 * d.ffn_hidden_size // tp,
+                d.hidden_size,
+            ),
+            ("dense linear_fc2 weight [hidden_size, ffn_hidden_size / tp]", d.hidden_size, d.ffn_hidden_size // tp),
+        ]
+    if shared := d.moe_shared_expert_intermediate_size:
+        shapes += [
+            ("shared expert linear_fc1 weight [2 x shared width / tp, hidden_size]", 2 * shared // tp, d.hidden_size),
+            ("shared expert linear_fc2 weight [hidden_size, shared width / tp]", d.hidden_size, shared // tp),
+        ]
+    return shapes
+
+
+@rule(
+    Basis.RUNTIME,
+    "transformer_engine/pytorch/utils.py: assert_dim_for_fp8_exec, product of leading dims % 8 == 0 and last dim "
+    "% 16 == 0, checked by TE's Linear and LayerNormLinear forward under fp8; blockwise also "
+    "transformer_engine/common/gemm/cublaslt_gemm.cu: lda % 16 == 0 for NVTE_BLOCK_SCALING GEMMs",
+)
+def fp8_gemm_dims_align(cfg: RunConfig) -> str | None:
+    """megatron-core builds the model and starts; TE raises in the first forward or backward. Block scaling asks
+    16 of every GEMM dimension that becomes a reduction one: the tokens in the weight-gradient GEMM, the output
+    width in the input-gradient GEMM. The experts' grouped GEMMs get their token counts padded by megatron
+    (``Fp8Padding`` in ``transformer/moe/experts.py``, to ``fp8_utils.get_fp8_align_size``), not their widths."""
+    if not _fp8(cfg):
+        return None
+    rows_align = 16 if cfg.train.fp8_recipe == "blockwise" else 8
+    shapes = fp8_gemm_shapes(cfg)
+    bad = [f"{what} is {rows} x {width}" for what, rows, width in shapes if rows % rows_align or width % 16]
+    if not bad:
+        return None
+    tokens = shapes[0][1]
+    hint = ""
+    if tokens % rows_align:
+        shard = tokens // cfg.batch.mbs
+        hint = (
+            f"; the {shard}-token sequence shard needs batch.mbs a multiple of "
+            f"{rows_align // math.gcd(shard, rows_align)}, or a model.text_tokens that makes it a multiple of "
+            f"{rows_align}"
+        )
+    return (
+        f"train.precision=fp8 with train.fp8_recipe={cfg.train.fp8_recipe} needs each decoder GEMM's rows to be a "
+        f"multiple of {rows_align} and its inner width of 16, but {'; '.join(bad)}{hint}"
+    )
+
+
 # --- memory ------------------------------------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -51,6 +52,21 @@ from moe_vlm_sweep.plan.layout import sharded_seq_length
 from moe_vlm_sweep.plan.memory import ELEMENT_BYTES, GIB, activation_parts, microbatches_in_flight
 from moe_vlm_sweep.plan.plan import RunPlan
 
+GRADIENT_ACCUMULATION_NEEDS_APEX = (
+    "fusions.gradient_accumulation=true needs APEX's fused_weight_gradient_mlp_cuda extension, which is not "
+    "importable here. Transformer Engine would not need it: megatron-core passes the same "
+    "TransformerConfig.gradient_accumulation_fusion to every TE layer as fuse_wgrad_accumulation "
+    "(megatron/core/extensions/transformer_engine.py: TELinear, TELayerNormColumnParallelLinear, TEGroupedLinear), "
+    "and TE accumulates their weight gradients into DDP's main_grad with its own GEMM. But the model's output "
+    "layer is megatron's ColumnParallelLinear on Hopper (megatron/core/models/gpt/gpt_model.py: output_layer_cls is "
+    "TELMHeadColumnParallelLinear only with fp8_output_proj and the Blackwell-only mxfp8 recipe), whose constructor "
+    "raises without APEX (megatron/core/tensor_parallel/layers.py: ColumnParallelLinear.__init__, "
+    "`if config.gradient_accumulation_fusion and not _grad_accum_fusion_available: raise RuntimeError`). "
+    "Install APEX with --cpp_ext --cuda_ext, or set fusions.gradient_accumulation=false"
+)
+"""Why the fusion is rejected without APEX although TE layers would run it: one config flag for the whole model,
+and one layer that is not TE's."""
+
 
 class PreflightError(RuntimeError):
     """The machine cannot run this plan as asked (failure class ``invalid``)."""
@@ -69,8 +85,8 @@ def preflight(plan: RunPlan) -> None:
     needs = []
     if plan.transformer_impl == "transformer_engine":
         needs.append((f"train.transformer_impl={plan.transformer_impl!r}", "transformer_engine", None))
-    if plan.fusions["gradient_accumulation"]:
-        needs.append(("fusions.gradient_accumulation=true", "fused_weight_gradient_mlp_cuda", None))
+    if plan.fusions["gradient_accumulation"] and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        problems.append(GRADIENT_ACCUMULATION_NEEDS_APEX)
     if cfg.dispatcher.token_dispatcher == "flex":
         attr = "HybridEPBuffer" if cfg.dispatcher.flex_backend == "hybridep" else None
         needs.append(
@@ -97,6 +113,8 @@ def preflight(plan: RunPlan) -> None:
         for machine_rule in (graphs_unfuse_attention, packing_unfuses_attention):
             if message := machine_rule(cfg, major * 10000 + minor * 100 + patch, flash_attn):
                 problems.append(message)
+        if plan.fp8_recipe and torch.cuda.is_available():
+            problems.extend(_fp8_support(plan.fp8_recipe))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.layout.world_size:
         problems.append(
@@ -105,6 +123,26 @@ def preflight(plan: RunPlan) -> None:
         )
     if problems:
         raise PreflightError("; ".join(problems))
+
+
+def _fp8_support(fp8_recipe: str) -> list[str]:
+    """TE's own verdict on this GPU and CUDA for the recipe (``transformer_engine.pytorch.is_fp8_available``,
+    ``is_fp8_block_scaling_available``): FP8 needs compute capability 9.0 (or 8.9 with CUDA 12.1), block scaling
+    also CUDA 12.9."""
+    import transformer_engine.pytorch as te
+
+    checks = [te.is_fp8_available]
+    if fp8_recipe == "blockwise":
+        checks.append(te.is_fp8_block_scaling_available)
+    problems = []
+    for check in checks:
+        ok, reason = check(return_reason=True)
+        if not ok:
+            problems.append(
+                f"train.precision=fp8 with train.fp8_recipe={fp8_recipe}: Transformer Engine refuses it on "
+                f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}): {reason}"
+            )
+    return problems
 
 
 def _free_port() -> int:
@@ -240,6 +278,7 @@ def build_metrics(
     peak: tuple[float, str],
     memory: tuple[float, str],
     startup_s: dict[str, float] | None = None,
+    precision_scope: dict[str, Any] | None = None,
 ) -> Metrics:
     from moe_vlm_sweep.data import text_ids_note
     from moe_vlm_sweep.model.flops import ACCOUNTING_NOTES, BatchTokens, step_flops
@@ -305,6 +344,7 @@ def build_metrics(
         warmup_step_time_s=result.warmup_step_times,
         gc_in_measured_steps=result.gc_in_measured_steps,
         graphed_layers=result.graphed_layers,
+        fp8={"recipe": plan.fp8_recipe, "format": "hybrid", **precision_scope} if precision_scope else None,
         component_split=split,
         saved_activations=_saved_activations(plan, result.saved_activation_bytes),
         census_failure=result.census_failure,
@@ -393,7 +433,7 @@ def run(run_dir: Path) -> None:
     from megatron.core import parallel_state
 
     from moe_vlm_sweep.data import make_source
-    from moe_vlm_sweep.model.build import build_model_chunks
+    from moe_vlm_sweep.model.build import build_model_chunks, precision_scope
     from moe_vlm_sweep.train.loop import Trainer, training_stream
 
     clock.mark("imports")
@@ -418,6 +458,7 @@ def run(run_dir: Path) -> None:
             trace_dir=run_dir if cfg.train.trace else None,
             on_measured=_Progress(plan, run_dir, peak[0]),
         )
+    scope = precision_scope(chunks) if plan.fp8_recipe else None
     memory = _peak_memory_gib(plan)
     result.step_times = _slowest_rank(result.step_times, plan)
     result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
@@ -425,7 +466,7 @@ def run(run_dir: Path) -> None:
     if dist.get_rank() == 0:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
-        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, clock.seconds))
+        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, clock.seconds, scope))
         print(
             f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
             f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
