@@ -79,8 +79,8 @@ def run_one(name: str, overrides: list[str], outputs: Path) -> dict:
             data_realism=m.data_realism,
             peak_tflops=m.peak_tflops,
             peak_source=m.peak_source,
-            graphed_layers=m["graphed_layers"],
-            loss=m["loss"],
+            graphed_layers=m.graphed_layers,
+            loss=to_dict(m.loss),
         )
     else:
         log = Path(run_dir, "worker.log").read_text(errors="replace")

@@ -22,10 +22,10 @@ def test_tiny_run_writes_every_metric(run_cli):
     metrics = read_json(run_dir / "metrics.json")
     assert set(metrics) == _fields(ms.Metrics) and set(metrics["step_time_s"]) == _fields(ms.StepTimes)
     # Every field is written, defaults too: what tells is which ones the run left empty. On the CPU only the
-    # GPU memory estimate is None, and the census did not fail.
+    # GPU memory estimate is None, the census did not fail, and nothing ran in FP8.
     typed = ms.read_metrics(run_dir)
     empty = {f.name for f in dataclasses.fields(typed) if getattr(typed, f.name) in (None, [], {}, "")}
-    assert empty == {"predicted_peak_memory_gib", "census_failure"}
+    assert empty == {"predicted_peak_memory_gib", "census_failure", "fp8"}
     assert len(metrics["step_time_s"]["steps"]) == 4
     assert metrics["data_realism"] == "synthetic_images"
     assert metrics["recipe"] == read_json(run_dir / "plan.json")["recipe"]["fingerprint"]  # what it trained

@@ -303,7 +303,7 @@ class SweeperImpl(Sweeper):
                     return Outcome(state="fail", failure_class=RunStatus.CRASH, reason=self.stop_reason)
                 return outcome_of_lost_job(exc)
         if beat.lost is not None:  # its worker was stopped, or finished unseen: another host may run it again
-            return Outcome(state="fail", failure_class="interrupted", reason=beat.lost)
+            return Outcome(state="fail", failure_class=RunStatus.INTERRUPTED, reason=beat.lost)
         try:
             value = job.return_value
         except Exception as exc:  # the task raised: the sweep goes on, the trial is a crash
