@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -48,8 +48,8 @@ class SweepEnd:
     """``<outputs_dir>/sweeps/<study>``; None for an app that is not moe-vlm-sweep's run (no export)."""
     outputs_dir: str | None
     """Where the export's experiment config goes (``<outputs_dir>/conf``); None with ``sweep_dir``."""
-    plan: Callable[[list[str]], RunPlan]
-    """Overrides -> validated plan, composed as the sweep composed its trials (the re-runs use it)."""
+    plan: Callable[[list[str]], tuple[RunPlan, str]]
+    """Overrides -> validated plan and its config as YAML, composed as the sweep composed its trials (the re-runs use it)."""
     budget: TimeBudget
     tracker: SweepTracker | None = None
     project: bool = True
@@ -97,7 +97,7 @@ class SweepEnd:
             self.tracker.close_sweep(status)
         return top
 
-    def confirm(self) -> FrozenTrial | bool | None:
+    def confirm(self) -> FrozenTrial | Literal[False] | None:
         """The trial that held in ``sweep.confirm`` re-runs of the top ones, False if none held, or None if the
         time budget stopped the re-runs (the next run of the same command reuses those that finished)."""
         from moe_vlm_sweep.export.confirm import confirm, table
@@ -121,7 +121,7 @@ class SweepEnd:
         winner = confirmation.winner
         if self.tracker is not None:
             self.tracker.log_sweep(
-                params={}, tags={"moe_vlm_sweep.confirmed_trial": winner.trial.number if winner else "none"}
+                params={}, tags={"moe_vlm_sweep.confirmed_trial": str(winner.trial.number) if winner else "none"}
             )
         if winner and spec.verify:
             self.verify(winner.trial)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 _NO_SPAN = contextlib.nullcontext()
 
@@ -40,7 +41,8 @@ class GcPauses:
     """Counts the collector's pauses while ``timing`` is set: a ``gc.callbacks`` entry while entered."""
 
     def __init__(self) -> None:
-        self.timing, self.count, self.seconds, self._began = False, 0, 0.0, None
+        self.timing, self.count, self.seconds = False, 0, 0.0
+        self._began: float | None = None
 
     def __enter__(self) -> GcPauses:
         gc.callbacks.append(self)
@@ -107,7 +109,8 @@ class PhaseMarks:
     Inactive (no marks, no syncs) outside the profile steps."""
 
     def __init__(self, device: str) -> None:
-        self.device, self.events, self.active = device, [], False
+        self.device, self.active = device, False
+        self.events: list[tuple[float, str]] = []
 
     def mark(self, phase: str) -> None:
         sync(self.device)
@@ -132,9 +135,9 @@ class PhaseMarks:
         return totals
 
 
-def _hook_components(chunks: list[torch.nn.Module], marks: PhaseMarks) -> list:
+def _hook_components(chunks: list[torch.nn.Module], marks: PhaseMarks) -> list[RemovableHandle]:
     """Forward pre/post hooks and output-gradient hooks on the three components of every local chunk."""
-    handles = []
+    handles: list[RemovableHandle] = []
 
     def after_forward(name: str, module: Any, args: Any, output: Any) -> None:
         marks.mark("other")
@@ -143,11 +146,12 @@ def _hook_components(chunks: list[torch.nn.Module], marks: PhaseMarks) -> list:
             out.register_hook(lambda grad: marks.mark(f"{name}.backward"))
 
     for chunk in chunks:
-        for name, module in (
-            ("vision_encoder", chunk.vision_model),
-            ("projector", chunk.vision_projection),
-            ("decoder", chunk.language_model),
+        for name, attr in (
+            ("vision_encoder", "vision_model"),
+            ("projector", "vision_projection"),
+            ("decoder", "language_model"),
         ):
+            module = getattr(chunk, attr)
             if module is None:
                 continue
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name: marks.mark(f"{n}.forward")))
