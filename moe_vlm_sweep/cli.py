@@ -59,11 +59,12 @@ def _plan(overrides: Sequence[str]):
 
 def check(overrides: Sequence[str]) -> int:
     from moe_vlm_sweep.plan.plan import describe
+    from moe_vlm_sweep.train.machine_rules import preflight_notes
 
     planned = _plan(overrides)
     if isinstance(planned, int):
         return planned
-    print(describe(planned[0]))
+    print(describe(planned[0], preflight_notes(planned[0].run_config)))
     print("valid")
     return 0
 

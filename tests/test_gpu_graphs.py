@@ -4,7 +4,7 @@ Skipped on machines without CUDA and Transformer Engine (CI), with that reason; 
 ``python -m pytest tests/test_gpu_graphs.py``. A graphed run must graph every decoder layer and train the same
 model as the eager run: same data and seed, so the losses agree to bf16 noise.
 The decoder runs 128 tokens (``model.text_tokens=113``): on cuDNN <= 9.15 the worker's preflight refuses graphed
-attention at a length TE would run unfused (``rules.graphs_unfuse_attention``).
+attention at a length TE would run unfused (``machine_rules.graphs_unfuse_attention``).
 """
 
 from __future__ import annotations

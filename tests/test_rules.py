@@ -9,7 +9,8 @@ import pytest
 
 from moe_vlm_sweep.cli import EXIT_INVALID, main
 from moe_vlm_sweep.config.compose import compose_run_config
-from moe_vlm_sweep.plan.rules import RULES, Basis, graphs_unfuse_attention, packing_unfuses_attention
+from moe_vlm_sweep.plan.rules import RULES, Basis
+from moe_vlm_sweep.train.machine_rules import graphs_unfuse_attention, packing_unfuses_attention
 
 T2 = ["launcher=torchrun", "launcher.nproc_per_node=2"]
 GPU = ["hardware=h200"]

@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
+from moe_vlm_sweep.export.finish import SweepEnd, best_trial
 from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.sweep import early_stop, ledger, preflight, progress
@@ -534,7 +535,7 @@ class SweeperImpl(Sweeper):
                 if outcome.ok
                 else failures_in_a_row
             )
-            best = self._best(study)
+            best = best_trial(study)
             done_now = len(ledger.counted(study.get_trials(deepcopy=False)))
             if self.tracker is not None and best is not None and outcome.ok:
                 self.tracker.log_best(done_now, dict(zip(spec.objective.metrics, best.values)))
@@ -572,165 +573,22 @@ class SweeperImpl(Sweeper):
                 )
         return self._finish(study, spec, sweep_dir, confirm=True)
 
-    def _confirm(self, study: optuna.Study, spec: SweepConf, sweep_dir: Path) -> Any:
-        """The trial that held in ``sweep.confirm`` re-runs of the top ones, False if none held, or None if the
-        time budget stopped the re-runs (the next run of the same command reuses those that finished)."""
-        from moe_vlm_sweep.export.confirm import confirm, table
-
-        print(f"confirm: re-running the top {spec.top_k} trial(s) {spec.confirm} time(s) each", flush=True)
+    def _finish(
+        self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED", confirm: bool = False
+    ) -> Any:
+        """The sweep's end (table, confirmation, export, report, MLflow close): ``export/finish.py``."""
 
         def plan(overrides: list[str]) -> Any:
             return plan_trial(self.hydra_context.config_loader.load_sweep_config(self.config, overrides), overrides)
 
-        confirmation = confirm(
-            study,
+        end = SweepEnd(
+            study=study,
+            spec=spec,
             sweep_dir=sweep_dir,
-            top_k=spec.top_k,
-            repeats=spec.confirm,
-            progress=lambda line: print(line, flush=True),
+            outputs_dir=self.config.outputs_dir if self.project else None,
             plan=plan,
             budget=self.budget,
+            tracker=self.tracker,
+            project=self.project,
         )
-        if not confirmation.complete:
-            print(f"confirmation: postponed: {confirmation.stopped}", flush=True)
-            return None
-        print(table(confirmation), flush=True)
-        winner = confirmation.winner
-        if self.tracker is not None:
-            self.tracker.log_sweep(
-                params={}, tags={"moe_vlm_sweep.confirmed_trial": winner.trial.number if winner else "none"}
-            )
-        if winner and spec.verify:
-            self._verify(study, spec, sweep_dir, winner.trial, plan)
-        return winner.trial if winner else False
-
-    def _verify(
-        self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, winner: optuna.trial.FrozenTrial, plan: Any
-    ) -> None:
-        """The confirmed winner against the study's first trial, same seeds and batches (``export/verify.py``):
-        printed, written to ``<sweep_dir>/verify/verify.json`` and tagged on the MLflow parent run."""
-        from moe_vlm_sweep.export.verify import VerifyError, verify
-
-        first = min(
-            (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("overrides")), key=lambda t: t.number
-        )
-        if first.number == winner.number:
-            verdict_tags = {"moe_vlm_sweep.verify": "baseline"}
-            print(f"verify: the winner is the study's first trial #{first.number}: nothing to compare", flush=True)
-        elif not self.budget.allows(3 * self.budget.slowest):
-            verdict_tags = {"moe_vlm_sweep.verify": "postponed"}
-            print(
-                f"verify: postponed: {self.budget.why_not('its three runs', 3 * self.budget.slowest, 'three trials')}"
-                f"; run it later: moe-vlm-sweep verify {study.study_name}",
-                flush=True,
-            )
-        else:
-            print(
-                f"verify: trial #{winner.number} against the study's first trial #{first.number} "
-                f"({spec.verify_steps} steps each; sweep.verify=false skips)",
-                flush=True,
-            )
-            try:
-                verdict = verify(
-                    winner.user_attrs["overrides"],
-                    first.user_attrs["overrides"],
-                    steps=spec.verify_steps,
-                    out_dir=sweep_dir / "verify",
-                    plan=plan,
-                    progress=lambda line: print(line, flush=True),
-                )
-            except VerifyError as exc:
-                print(f"verify: ERROR: {exc}", flush=True)
-                verdict_tags = {"moe_vlm_sweep.verify": "error"}
-            else:
-                print(verdict.summary(), flush=True)
-                verdict_tags = {
-                    "moe_vlm_sweep.verify": verdict.status,
-                    "moe_vlm_sweep.verify_max_loss_deviation": verdict.max_deviation,
-                    "moe_vlm_sweep.verify_max_deviation_step": verdict.max_deviation_step,
-                    "moe_vlm_sweep.verify_trials": f"#{winner.number} vs #{first.number}",
-                }
-        if self.tracker is not None:
-            self.tracker.log_sweep(params={}, tags={k: v for k, v in verdict_tags.items() if v is not None})
-
-    @staticmethod
-    def _best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-        from moe_vlm_sweep.export.best import ranked
-
-        top = ranked(study)
-        return top[0] if top else None
-
-    def _finish(
-        self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED", confirm: bool = False
-    ) -> Any:
-        """Print the top trials and export them; a sweep that ran to the end first confirms them
-        (``sweep.confirm`` re-runs each) and exports the one that held, or nothing if none did. A confirmation
-        runs the re-runs the time budget holds and leaves the rest to the next run of the same command, and the
-        best is exported unconfirmed meanwhile; an unconfirmed export never replaces an earlier confirmed one."""
-        from moe_vlm_sweep.export.best import ExportError, confirmed_export, export, ranked, realism_of
-
-        top = ranked(study)[: spec.top_k]
-        realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-        print(progress.table(top, spec.objective.metrics, realism=realism), flush=True)
-        from moe_vlm_sweep.export.recipes import chosen, note
-
-        mixed = note(study, chosen(study))
-        if mixed:
-            print(mixed, flush=True)
-        if self.project and top:
-            from moe_vlm_sweep.config.compose import exports_dir
-
-            held = self._confirm(study, spec, sweep_dir) if confirm and spec.confirm else None
-            try:
-                kept, unreadable = (confirmed_export(sweep_dir) if held is None else None), None
-            except ExportError as exc:
-                kept, unreadable = None, exc
-            if held is False:
-                print("confirmation: no candidate held (each had a failed re-run); nothing exported", flush=True)
-            elif unreadable is not None:
-                print(f"best: not exported: {unreadable}", flush=True)
-            elif kept is not None:
-                print(
-                    f"best: trial #{kept} stays exported (it held in an earlier confirmation); this run's "
-                    f"unconfirmed best is #{top[0].number}",
-                    flush=True,
-                )
-            else:
-                exported = export(
-                    study,
-                    sweep_dir=sweep_dir,
-                    conf_dir=exports_dir(self.config.outputs_dir),
-                    top_k=spec.top_k,
-                    confirmed=held,
-                )
-                unconfirmed = " (unconfirmed)" if held is None and spec.confirm else ""
-                print(
-                    f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
-                    f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}",
-                    flush=True,
-                )
-        if self.project and top:
-            self._report(study, sweep_dir)
-        if self.tracker is not None and not ledger.in_flight(
-            study.get_trials(deepcopy=False), spec.resume.stale_after_s
-        ):
-            self.tracker.close_sweep(status)
-        return top
-
-    def _report(self, study: optuna.Study, sweep_dir: Path) -> None:
-        """The HTML report (``moe-vlm-sweep report``) under the sweep's folder and on the MLflow parent run."""
-        from moe_vlm_sweep.export.report import REPORT_DIR, write_report
-
-        out = sweep_dir / REPORT_DIR
-        try:
-            path = write_report(study, out, links=[f"moe-vlm-sweep ui --outputs {self.config.outputs_dir}"])
-            if self.tracker is not None:
-                self.tracker.log_sweep_files(out, REPORT_DIR)
-        except Exception as exc:
-            print(
-                f"warning: the report could not be written ({type(exc).__name__}: {exc}); "
-                f"moe-vlm-sweep report {study.study_name} tries again",
-                flush=True,
-            )
-            return
-        print(f"report: {path}", flush=True)
+        return end.finish(status=status, confirm=confirm)

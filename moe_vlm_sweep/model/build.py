@@ -210,7 +210,7 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
     cfg: RunConfig = plan.run_config
     m, te = cfg.model, plan.transformer_impl == "transformer_engine"
     if not te:
-        from moe_vlm_sweep.train.cpu_compat import use_torch_norm_in_clip
+        from moe_vlm_sweep.model.local_norm import use_torch_norm_in_clip
 
         use_torch_norm_in_clip()
     lm = decoder_config(plan)

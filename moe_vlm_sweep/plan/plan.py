@@ -7,6 +7,7 @@ run directory alone and the worker needs neither Hydra nor the sweep stack.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from moe_vlm_sweep.config.codec import DecodeError, from_dict, to_dict
 from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.plan.layout import Layout, layout_of, sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
-from moe_vlm_sweep.plan.rules import CUDNN_GRAPHED_ATTENTION_FIX, ConfigError, broken_rules, graphs_unfuse_attention
+from moe_vlm_sweep.plan.rules import ConfigError, broken_rules
 
 PLAN_VERSION = 1
 
@@ -112,8 +113,9 @@ def make_plan(cfg: RunConfig, overrides: list[str] | tuple[str, ...] = (), *, va
     )
 
 
-def describe(plan: RunPlan) -> str:
-    """The resolved plan as a person checks it: layout, batch arithmetic, tokens."""
+def describe(plan: RunPlan, notes: Mapping[str, str] | None = None) -> str:
+    """The resolved plan as a person checks it: layout, batch arithmetic, tokens. ``notes`` adds to a row what is
+    checked later, where the run lands (the worker's preflight: ``train/machine_rules.preflight_notes``)."""
     cfg, lay = plan.run_config, plan.layout
     rows = [
         (
@@ -177,13 +179,7 @@ def describe(plan: RunPlan) -> str:
         ("recompute", cfg.recompute.granularity + (f" {cfg.recompute.modules}" if cfg.recompute.modules else "")),
         (
             "cuda_graph",
-            f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})"
-            + (
-                "; needs cuDNN >= 9.15.1 where it runs, since the sequence is not a multiple of 128 (the worker's "
-                "preflight checks)"
-                if graphs_unfuse_attention(cfg, CUDNN_GRAPHED_ATTENTION_FIX - 1)
-                else ""
-            ),
+            f"{cfg.cuda_graph.scope} (impl {cfg.cuda_graph.impl})",
         ),
         ("dispatcher", cfg.dispatcher.name),
         ("vision", cfg.vision.name),
@@ -201,5 +197,7 @@ def describe(plan: RunPlan) -> str:
             else []
         ),
     ]
+    notes = notes or {}
+    rows = [(k, f"{v}; {notes[k]}" if k in notes else v) for k, v in rows]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -5,9 +5,8 @@ with the class of its reason (:class:`Basis`). A rule that mirrors a check megat
 check's file and condition, appended to its message, so a user can look it up; every other rule says why
 megatron-core would not refuse the config itself (memory, the machine or the run, the LLaVA model as it is built, or
 a knob megatron would silently ignore). ``tests/test_rules_vs_megatron.py`` holds the table against megatron-core's
-own checks on random configs. Rules are pure: what depends on the machine (TE or DeepEP installed, GPUs present)
-is the worker's preflight, and a rule that needs a machine fact (the cuDNN version) takes it as an argument and is
-called from there.
+own checks on random configs. Rules are pure: what depends on the machine (TE or DeepEP installed, GPUs present,
+the cuDNN version) is the worker's preflight, next to it in ``train/machine_rules.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moe_vlm_sweep.config.schema import RunConfig
-from moe_vlm_sweep.plan.layout import seq_padding_factor, sharded_seq_length
+from moe_vlm_sweep.plan.layout import sharded_seq_length
 from moe_vlm_sweep.plan.memory import estimate
 
 Check = Callable[[RunConfig], str | None]
@@ -100,7 +99,7 @@ def _dp(cfg: RunConfig) -> int:
     return _world(cfg) // (p.tp * p.pp * p.cp)
 
 
-def _uses_te(cfg: RunConfig) -> bool:
+def uses_te(cfg: RunConfig) -> bool:
     return cfg.train.resolved_transformer_impl(cfg.hardware.device) == "transformer_engine"
 
 
@@ -314,7 +313,7 @@ def sp_needs_uniform_layers(cfg: RunConfig) -> str | None:
 def cp_needs_te(cfg: RunConfig) -> str | None:
     """LLaVA pads the decoder sequence to a multiple of 2*cp itself (``plan/layout.py``), so any length splits;
     what CP needs is TE's attention."""
-    if cfg.parallel.cp > 1 and not _uses_te(cfg):
+    if cfg.parallel.cp > 1 and not uses_te(cfg):
         return (
             f"parallel.cp={cfg.parallel.cp} needs Transformer Engine attention "
             "(megatron-core's local DotProductAttention supports cp=1 only)"
@@ -325,7 +324,7 @@ def cp_needs_te(cfg: RunConfig) -> str | None:
 def sp_on_gpu_needs_te(cfg: RunConfig) -> str | None:
     """On the CPU the worker lifts LLaVA's assert (``train/cpu_compat.py``, patch 11: the sequence is padded to a
     multiple of TP, so the local causal attention is exact); on a GPU megatron-core's assert stands."""
-    if cfg.parallel.sp and cfg.hardware.device == "cuda" and not _uses_te(cfg):
+    if cfg.parallel.sp and cfg.hardware.device == "cuda" and not uses_te(cfg):
         return (
             "parallel.sp=true on GPU hardware needs train.transformer_impl=transformer_engine: LLaVA "
             "supports sequence parallelism only with TE attention"
@@ -423,7 +422,7 @@ def recompute_layers_fit_stage(cfg: RunConfig) -> str | None:
 
 @rule(Basis.MEGATRON, f"{TC}: moe_act in recompute_modules is only supported with moe_grouped_gemm")
 def moe_act_recompute_needs_te(cfg: RunConfig) -> str | None:
-    if "moe_act" in cfg.recompute.modules and not _uses_te(cfg):
+    if "moe_act" in cfg.recompute.modules and not uses_te(cfg):
         return (
             "recompute.modules contains moe_act, which needs TE grouped GEMM "
             "(train.transformer_impl=transformer_engine)"
@@ -635,64 +634,11 @@ def layer_graphs_vs_fsdp(cfg: RunConfig) -> str | None:
 
 @rule(Basis.RUNTIME)
 def te_graphs_need_te_specs(cfg: RunConfig) -> str | None:
-    if cfg.cuda_graph.impl == "transformer_engine" and cfg.hardware.device == "cuda" and not _uses_te(cfg):
+    if cfg.cuda_graph.impl == "transformer_engine" and cfg.hardware.device == "cuda" and not uses_te(cfg):
         return (
             "cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
             "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)"
         )
-
-
-def _cudnn(version: int) -> str:
-    """A cuDNN version as TE and cudnnGetVersion encode it (91501), as people write it (9.15.1)."""
-    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
-
-
-CUDNN_GRAPHED_ATTENTION_FIX = 91501
-"""The cuDNN runtime (9.15.1, encoded as TE and cudnnGetVersion do) from which TE keeps fused attention inside
-CUDA-graph capture whatever the sequence length (``nvte_get_fused_attn_backend``, TE 2.20)."""
-
-
-def graphs_unfuse_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> str | None:
-    """Not a registered rule: the worker's preflight passes the runtime cuDNN and whether flash-attn is installed.
-    With cuDNN <= 9.15.0, TE refuses fused attention while a graph is captured unless every (SBHD, non-padding) KV
-    length it checks is a multiple of 128. Without CP it then silently runs unfused attention: on the H200 0.47-0.63x
-    the eager step and 1.9x its memory (benchmarks/results/h200_graphs_cudnn/), a trap, not a config worth
-    measuring; flash-attn, where installed, would take over instead. With CP, TE checks each ring step (KV chunks
-    down to seq / (2 cp)) and has no other backend, so the capture fails. The length TE checks is the one LLaVA
-    pads for SP and CP, and the fix it suggests is a text length whose padded sequence is a multiple."""
-    g, cp, seq = cfg.cuda_graph, cfg.parallel.cp, sharded_seq_length(cfg)
-    graphs_attention = g.impl in ("local", "transformer_engine") and (not g.modules or "attn" in g.modules)
-    multiple = 128 if cp == 1 else 256 * cp
-    if (
-        not graphs_attention
-        or not _uses_te(cfg)
-        or cudnn_version >= CUDNN_GRAPHED_ATTENTION_FIX
-        or seq % multiple == 0
-        or (cp == 1 and flash_attn)
-    ):
-        return None
-    factor = seq_padding_factor(cfg)
-    step = math.lcm(multiple, factor)
-    fixed = -(-cfg.model.seq_length // step) * step  # the padded length to reach; padding adds up to factor - 1
-    text_tokens = cfg.model.text_tokens + max(0, fixed - factor + 1 - cfg.model.seq_length)
-    version = _cudnn(cudnn_version)
-    if cp == 1:
-        lengths = f"{seq} decoder tokens" + (
-            f", {cfg.model.seq_length} padded for SP" if seq != cfg.model.seq_length else ""
-        )
-        effect = "runs unfused attention instead (about half the eager speed, twice the memory)"
-    else:
-        lengths, effect = (
-            f"parallel.cp={cp} ring chunks of {seq} decoder tokens, down to {seq / (2 * cp):g}",
-            "has no other attention backend under context parallelism, so the capture fails",
-        )
-    return (
-        f"cuda_graph={g.scope} graphs decoder attention, but with cuDNN {version} (<= 9.15.0) TE refuses fused "
-        f"attention under graph capture for a KV length that is not a multiple of 128 ({lengths}) and {effect}: "
-        f"set model.text_tokens={text_tokens} ({fixed} decoder tokens{' as padded' if factor > 1 else ''}), "
-        "graph no attention "
-        "(cuda_graph=none), or upgrade cuDNN to 9.15.1+"
-    )
 
 
 # --- precision ---------------------------------------------------------------------------------------------
@@ -714,7 +660,7 @@ def fp8_needs_fp8_hardware(cfg: RunConfig) -> str | None:
 @rule(Basis.IGNORED)
 def fp8_needs_te_specs(cfg: RunConfig) -> str | None:
     """megatron enters TE's fp8_autocast around the decoder layers whatever their specs; only TE modules read it."""
-    if _fp8(cfg) and cfg.hardware.device == "cuda" and not _uses_te(cfg):
+    if _fp8(cfg) and cfg.hardware.device == "cuda" and not uses_te(cfg):
         return (
             "train.precision=fp8 runs the decoder's Transformer Engine GEMMs in FP8; with "
             "train.transformer_impl=local no layer is TE's and the run would train in bf16"
@@ -905,7 +851,7 @@ def packing_needs_unsharded_sequence(cfg: RunConfig) -> str | None:
 def packing_on_local_specs_needs_unfused_softmax(cfg: RunConfig) -> str | None:
     if (
         cfg.data.packing
-        and not _uses_te(cfg)
+        and not uses_te(cfg)
         and cfg.fusions.resolved(on_gpu=cfg.hardware.device == "cuda")["masked_softmax"]
     ):
         return (
@@ -922,24 +868,3 @@ def packing_needs_one_stage(cfg: RunConfig) -> str | None:
             f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "
             "are shaped for seq_length x mbs, and a packed micro-batch's length changes every micro-batch"
         )
-
-
-CUDNN_THD = {True: 90600, False: 90100}
-"""The cuDNN runtime from which TE's fused attention takes THD rows on sm90, with GQA (True) or without: below it
-TE 2.20 falls back to unfused attention, which pads the row back to [mbs, max_seqlen] and scores it whole."""
-
-
-def packing_unfuses_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bool = False) -> str | None:
-    """Not a registered rule: the worker's preflight passes the runtime cuDNN and whether flash-attn (whose varlen
-    kernels take THD too) is installed. A packed run on an unfused fallback would measure the fallback, not
-    packing, and may not fit: at MBS 96 the scores alone take gigabytes per layer."""
-    d = cfg.model.decoder
-    gqa = d.num_query_groups < d.num_attention_heads
-    needed = CUDNN_THD[gqa]
-    if not cfg.data.packing or not _uses_te(cfg) or flash_attn or cudnn_version >= needed:
-        return None
-    return (
-        f"data.packing=true runs THD attention, which TE's fused attention takes from cuDNN {_cudnn(needed)}"
-        f"{' with GQA' if gqa else ''}; with cuDNN {_cudnn(cudnn_version)} TE falls back to unfused attention "
-        "over the row padded back to [mbs, max_seqlen]: upgrade cuDNN, install flash-attn, or data.packing=false"
-    )

@@ -18,6 +18,8 @@ import types
 import torch
 from torch.distributed import DeviceMesh
 
+from moe_vlm_sweep.model.local_norm import use_torch_norm_in_clip
+
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
     "torch.HalfTensor": "torch.cuda.HalfTensor",
@@ -220,27 +222,6 @@ def _stub_paged_stash_kernels() -> None:
         sys.modules[stub.__name__] = stub
 
 
-def use_torch_norm_in_clip() -> None:
-    """Patch 3: CLIPViTModel's default pre/post norm is TENorm, or torch LayerNorm (which rejects megatron's
-    ``config=`` argument) without TE; LLaVAModel gives no way to pass another, so default to WrappedTorchNorm.
-    Needed wherever TE is absent (also on a GPU)."""
-    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    original = CLIPViTModel.__init__
-    if getattr(original, "_torch_norm", False):
-        return
-
-    @functools.wraps(original)
-    def init(self, *args, **kwargs):
-        kwargs.setdefault("ln_pre_impl", WrappedTorchNorm)
-        kwargs.setdefault("ln_post_impl", WrappedTorchNorm)
-        original(self, *args, **kwargs)
-
-    init._torch_norm = True
-    CLIPViTModel.__init__ = init
-
-
 def apply() -> None:
     """Install every CPU patch (idempotent). Call before megatron builds a model."""
     global _applied
@@ -265,6 +246,7 @@ def apply() -> None:
     # Patch 2: the RNG tracker reads and writes the CUDA generator's state; keep its states on a CPU generator.
     random._get_cuda_rng_state = lambda *a, **k: cpu_torch.cuda.get_rng_state()
     random._set_cuda_rng_state = lambda state, *a, **k: cpu_torch.cuda.set_rng_state(state)
+    # Patch 3: CLIPViTModel's default norm needs TE; without it, WrappedTorchNorm (model/local_norm.py).
     use_torch_norm_in_clip()
     # Patch 4: CLIPViTModel moves its position ids with a bare ``.cuda()`` in the constructor.
     _wrap(CLIPViTModel, "__init__", _tensor_cuda_is_identity)

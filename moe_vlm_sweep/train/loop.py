@@ -4,23 +4,23 @@ Per step: zero the grad buffers and the optimizer, run ``get_forward_backward_fu
 (PP=1, PP>1 and interleaved VPP alike), ``optimizer.step()``. The step's micro-batches are made and copied to the
 device before its clock starts, as a prefetching data loader would have them ready. Measured steps carry no hooks
 and no extra syncs beyond one at the end of the step; the per-component split comes from separate profiling steps
-afterwards. TE CUDA graphs are captured after ``cuda_graph.warmup_steps`` eager steps, as Megatron-LM does; the
+afterwards. What is measured, and how, is ``train/measure.py``: context managers around the steps, nothing
+patched. TE CUDA graphs are captured after ``cuda_graph.warmup_steps`` eager steps, as Megatron-LM does; the
 ``local`` implementation captures itself inside megatron's schedules.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
+import itertools
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,11 @@ from moe_vlm_sweep.config.schema import ParallelConf
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
 from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
+from moe_vlm_sweep.train import measure
 from moe_vlm_sweep.train.census import SavedTensorCensus
 from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs, local_graphed_layers, numbered
+
+Phase = Literal["warmup", "measured", "census", "profile"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -79,26 +82,6 @@ class TrainResult:
     """The census step's largest sources of saved bytes, as a table (``saved_tensors.txt``)."""
     census_failure: str | None = None
     """Why the census step failed (its exception), or None: the run keeps its measurements and says so."""
-
-
-class _GcPauses:
-    """Counts the collector's pauses while ``timing`` is set (a ``gc.callbacks`` entry)."""
-
-    def __init__(self) -> None:
-        self.timing, self.count, self.seconds, self._began = False, 0, 0.0, None
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-        elif self._began is not None:
-            if self.timing:
-                self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - self._began
-            self._began = None
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def training_stream(plan: RunPlan) -> contextlib.AbstractContextManager:
@@ -220,104 +203,17 @@ def _forward_step(plan: RunPlan, data_iterator, model):
     return output, partial(_loss_func, loss_mask)
 
 
-def _profiler(device: str) -> torch.profiler.profile:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # with_stack: the Python frames of each op, so copies and casts can be traced to the code that made them
-    # (the verbose config is what fills each event's stack in torch's Kineto profiler)
-    return torch.profiler.profile(
-        activities=activities, with_stack=True, experimental_config=torch.profiler._ExperimentalConfig(verbose=True)
-    )
-
-
-# Ops that move or cast memory without computing: where a kernel-bound step's avoidable time hides.
-COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::index_select")
-
-
-def _call_site(event) -> tuple[str, ...]:
-    """Where an op came from: the autograd function whose backward ran it (a backward op's Python stack is only
-    the engine's), else the innermost Python frames of the op or of its nearest caller op that has them (a
-    bound method's frame names its object's address, dropped so that one call site is one row)."""
-    ancestor = event
-    while ancestor is not None:
-        if ancestor.name.startswith("autograd::engine::evaluate_function: "):
-            return ("backward of " + ancestor.name.rsplit(": ", 1)[1],)
-        if ancestor.stack:
-            via = () if ancestor is event else (f"inside {ancestor.name}",)
-            return via + tuple(re.sub(r" at 0x[0-9a-f]+", "", frame) for frame in ancestor.stack[:6])
-        ancestor = ancestor.cpu_parent
-    return ("(no caller recorded: an op issued from C++ alone)",)
-
-
-def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str) -> None:
-    """``trace.json`` (open in Perfetto or chrome://tracing), ``kernels.txt`` (ops by self device time) and
-    ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site that issued them)."""
-    profiler.export_chrome_trace(str(trace_dir / "trace.json"))
-    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    (trace_dir / "kernels.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40) + "\n")
-    sites: dict[tuple[str, tuple[str, ...]], list[float]] = {}
-    for e in profiler.events():
-        if e.name in COPY_OPS:
-            site = sites.setdefault((e.name, _call_site(e)), [0.0, 0])
-            site[0] += e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
-            site[1] += 1
-    total = sum(own for own, _ in sites.values())
-    lines = [f"copy and cast ops by call site ({device} self time, all profiled steps): {total / 1e3:.1f} ms"]
-    for (op, frames), (own, count) in sorted(sites.items(), key=lambda item: -item[1][0])[:30]:
-        lines.append(f"\n{own / 1e3:9.2f} ms  {count:6d} calls  {op}")
-        lines += [f"    {frame}" for frame in frames]
-    (trace_dir / "copies.txt").write_text("\n".join(lines) + "\n")
-
-
-class _PhaseClock:
-    """Marks when each phase starts (synchronizing first); a phase lasts until the next mark."""
-
-    def __init__(self, device: str):
-        self.device, self.events = device, []
-
-    def mark(self, phase: str) -> None:
-        _sync(self.device)
-        self.events.append((time.perf_counter(), phase))
-
-    def seconds(self) -> dict[str, float]:
-        """Per phase, seconds summed over profiling steps; the gap after each step's ``end`` mark is dropped."""
-        totals: dict[str, float] = {}
-        for (t0, phase), (t1, _) in zip(self.events, self.events[1:]):
-            if phase != "end":
-                totals[phase] = totals.get(phase, 0.0) + t1 - t0
-        return totals
-
-
-def _hook_components(chunks, clock: _PhaseClock) -> list:
-    """Forward pre/post hooks and output-gradient hooks on the three components of every local chunk."""
-    handles = []
-
-    def after_forward(name, module, args, output):
-        clock.mark("other")
-        out = output[0] if isinstance(output, tuple) else output
-        if torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(lambda grad: clock.mark(f"{name}.backward"))
-
-    for chunk in chunks:
-        for name, module in (
-            ("vision_encoder", chunk.vision_model),
-            ("projector", chunk.vision_projection),
-            ("decoder", chunk.language_model),
-        ):
-            if module is None:
-                continue
-            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: clock.mark(f"{n}.forward")))
-            handles.append(module.register_forward_hook(partial(after_forward, name)))
-    return handles
-
-
 class Trainer:
     def __init__(self, plan: RunPlan, chunks: list[torch.nn.Module], source: BatchSource):
         self.plan, self.chunks, self.source = plan, chunks, source
         self.cfg = plan.run_config
         self.models, self.optimizer = wrap_for_training(plan, chunks)
         self.config = chunks[0].config
+        self.marks = measure.PhaseMarks(plan.device)
+        self._finalize, self.config.finalize_model_grads_func = (
+            self.config.finalize_model_grads_func,
+            self._finalize_grads,
+        )
         self.forward_backward = get_forward_backward_func()
         self.image_dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
         self.loss_owner = (
@@ -346,7 +242,14 @@ class Trainer:
             decoder_seq_length=self.plan.seq_length,
             forward_only=False,
         )
-        self.optimizer.step()
+        with self.marks.span("optimizer"):
+            self.optimizer.step()
+
+    def _finalize_grads(self, *args: Any, **kwargs: Any) -> None:
+        """Megatron's ``finalize_model_grads_func`` callback (the data-parallel reduction and what follows),
+        marked as ``grad_sync`` in the profile steps."""
+        with self.marks.span("grad_sync"):
+            self._finalize(*args, **kwargs)
 
     def _capture_graphs(self) -> int:
         """TE CUDA graphs of the decoder layers under ``cuda_graph.modules``; megatron's helper resets the grad
@@ -401,6 +304,17 @@ class Trainer:
             )
         )
 
+    def schedule(self) -> list[tuple[Phase, int]]:
+        """The phases in order and their steps: the census before the profiling hooks, which stay on to the end."""
+        t = self.cfg.train
+        census = t.activation_census and self.cfg.cuda_graph.impl == "none"
+        return [
+            ("warmup", t.warmup_steps),
+            ("measured", t.steps),
+            ("census", int(census)),
+            ("profile", t.profile_steps),
+        ]
+
     def run(
         self,
         on_step: Callable[[int], None] = lambda step: None,
@@ -409,76 +323,65 @@ class Trainer:
     ) -> TrainResult:
         """Warmup and measured steps, a census step, profile steps; with ``trace_dir``, torch.profiler covers the
         profile steps. ``on_measured`` gets each measured step's time and tokens as soon as it is known."""
-        t = self.cfg.train
         result = TrainResult()
         for model in self.models:
             model.train()
-        census = t.activation_census and self.cfg.cuda_graph.impl == "none"
-        schedule = (
-            ["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["census"] * census + ["profile"] * t.profile_steps
-        )  # the census before the profiling hooks, which stay on
-        clock = _PhaseClock(self.plan.device)
-        handles: list = []
-        tracing = contextlib.ExitStack()
-        pauses = _GcPauses()
-        gc.callbacks.append(pauses)
-        tracing.callback(gc.callbacks.remove, pauses)
-        if t.manual_gc:
-            tracing.callback(gc.enable)
-        with tracing:  # on any exit: the profiler stops, the collector is back on
-            for step, phase in enumerate(schedule):
-                if t.manual_gc and phase != "warmup" and gc.isenabled():
-                    gc.collect()
-                    gc.disable()
-                if phase == "profile" and trace_dir is not None and not handles:
-                    profiler = tracing.enter_context(_profiler(self.plan.device))
-                on_step(step)
-                began = time.perf_counter()
-                if self.cfg.cuda_graph.impl == "transformer_engine" and step == self.cfg.cuda_graph.warmup_steps:
-                    result.graphed_layers = self._capture_graphs()
-                    result.wall_s["capture"] = time.perf_counter() - began
-                    began = time.perf_counter()
-                fetching = time.perf_counter()
-                microbatches = self._fetch(step)
-                if phase == "measured":
-                    result.data_wait_s.append(time.perf_counter() - fetching)
-                if phase == "profile" and not handles:
-                    handles = self._start_profiling(clock)
-                if phase == "profile":
-                    clock.mark("other")
-                _sync(self.plan.device)
-                start, pauses.timing = time.perf_counter(), phase == "measured"
-                if phase == "census":
-                    (result.saved_activation_bytes, result.saved_tensor_sources, result.census_failure) = (
-                        self._census_step(microbatches)
-                    )
-                else:
-                    self._step(microbatches)
-                _sync(self.plan.device)
-                elapsed, pauses.timing = time.perf_counter() - start, False
-                if phase == "profile":
-                    clock.mark("end")
-                if phase == "measured":
-                    result.step_times.append(elapsed)
-                elif phase == "warmup":
-                    result.warmup_step_times.append(elapsed)
-                if phase != "census":  # a measurement of memory: its loss would make runs differ in length
-                    self._reduce(step, microbatches, result)
-                    result.phases.append(phase)
-                    _progress_line(step, len(schedule), phase, elapsed, result)
-                if phase == "measured":
-                    on_measured(elapsed, result.batches[-1])
-                if self.cfg.cuda_graph.impl == "local" and step == 0:
-                    result.graphed_layers = local_graphed_layers(self.models)
-                result.wall_s[phase] = result.wall_s.get(phase, 0.0) + time.perf_counter() - began
-        result.gc_in_measured_steps = {"count": pauses.count, "seconds": pauses.seconds}
-        if trace_dir is not None and t.profile_steps:
-            _write_trace(profiler, trace_dir, self.plan.device)
-        for handle in handles:
-            handle.remove()
-        if t.profile_steps:
-            result.split_seconds = {k: v / t.profile_steps for k, v in clock.seconds().items()}
+        schedule = self.schedule()
+        total, steps = sum(count for _, count in schedule), itertools.count()
+        with (  # on any exit: the profiler stops, its hooks go, the collector is back on
+            measure.GcPauses() as pauses,
+            measure.ManualGc(self.cfg.train.manual_gc) as manual_gc,
+            measure.Profiling(self.chunks, self.marks, trace_dir) as profiling,
+        ):
+            for phase, count in schedule:
+                for _ in range(count):
+                    step = next(steps)
+                    manual_gc.before(phase)
+                    profiling.before(phase)
+                    on_step(step)
+                    if self.cfg.cuda_graph.impl == "transformer_engine" and step == self.cfg.cuda_graph.warmup_steps:
+                        with measure.wall(result.wall_s, "capture"):
+                            result.graphed_layers = self._capture_graphs()
+                    with measure.wall(result.wall_s, phase):
+                        fetching = time.perf_counter()
+                        microbatches = self._fetch(step)
+                        if phase == "measured":
+                            result.data_wait_s.append(time.perf_counter() - fetching)
+                        timer = measure.StepTimer(self.plan.device, pauses, count_gc=phase == "measured")
+                        with profiling.step(phase), timer:
+                            self._phase_step(phase, microbatches, result)
+                        self._record(step, total, phase, microbatches, timer.seconds, result)
+                        if self.cfg.cuda_graph.impl == "local" and step == 0:
+                            result.graphed_layers = local_graphed_layers(self.models)
+                        if phase == "measured":
+                            on_measured(timer.seconds, result.batches[-1])
+                            # The one place to end the measured phase early (``break``): each measured step is kept.
+        result.gc_in_measured_steps = pauses.summary()
+        result.split_seconds = profiling.split_seconds(self.cfg.train.profile_steps)
         return result
+
+    def _phase_step(self, phase: Phase, microbatches: list[MicroBatch], result: TrainResult) -> None:
+        """A training step; the census phase's step counts the bytes saved for backward as well."""
+        if phase == "census":
+            (result.saved_activation_bytes, result.saved_tensor_sources, result.census_failure) = self._census_step(
+                microbatches
+            )
+        else:
+            self._step(microbatches)
+
+    def _record(
+        self, step: int, total: int, phase: Phase, microbatches: list[MicroBatch], seconds: float, result: TrainResult
+    ) -> None:
+        """The step's time in its phase's list, and (but for the census, a measurement of memory whose loss would
+        make runs differ in length) its world-wide loss and tokens and a progress line."""
+        if phase == "measured":
+            result.step_times.append(seconds)
+        elif phase == "warmup":
+            result.warmup_step_times.append(seconds)
+        if phase != "census":
+            self._reduce(step, microbatches, result)
+            result.phases.append(phase)
+            _progress_line(step, total, phase, seconds, result)
 
     def _census_step(self, microbatches: list[MicroBatch]) -> tuple[dict[str, int] | None, str | None, str | None]:
         """One step under the census: (bytes per part, sources table, None), or (None, None, why it failed).
@@ -495,33 +398,6 @@ class Trainer:
             logger.warning("the census step failed, the run keeps its measurements without it: %s", reason)
             return None, None, reason
         return counted.bytes, counted.table(), None
-
-    def _start_profiling(self, clock: _PhaseClock) -> list:
-        handles = _hook_components(self.chunks, clock)
-        finalize, step = self.config.finalize_model_grads_func, self.optimizer.step
-
-        def timed_finalize(*args, **kwargs):
-            clock.mark("grad_sync")
-            finalize(*args, **kwargs)
-            clock.mark("other")
-
-        def timed_step(*args, **kwargs):
-            clock.mark("optimizer")
-            out = step(*args, **kwargs)
-            clock.mark("other")
-            return out
-
-        self.config.finalize_model_grads_func, self.optimizer.step = timed_finalize, timed_step
-        handles.append(_Restore(lambda: setattr(self.config, "finalize_model_grads_func", finalize)))
-        handles.append(_Restore(lambda: setattr(self.optimizer, "step", step)))
-        return handles
-
-
-class _Restore:
-    """A hook-handle look-alike that undoes a monkeypatch of the profiling steps."""
-
-    def __init__(self, undo: Callable[[], None]):
-        self.remove = undo
 
 
 def _progress_line(step: int, steps: int, phase: str, elapsed: float, result: TrainResult) -> None:

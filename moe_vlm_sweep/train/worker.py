@@ -106,7 +106,7 @@ def preflight(plan: RunPlan) -> None:
     if plan.transformer_impl == "transformer_engine" and plan.device == "cuda" and not problems:
         from transformer_engine.pytorch.utils import get_cudnn_version
 
-        from moe_vlm_sweep.plan.rules import graphs_unfuse_attention, packing_unfuses_attention
+        from moe_vlm_sweep.train.machine_rules import graphs_unfuse_attention, packing_unfuses_attention
 
         major, minor, patch = get_cudnn_version()
         flash_attn = importlib.util.find_spec("flash_attn") is not None
