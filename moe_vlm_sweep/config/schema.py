@@ -439,6 +439,12 @@ class TrackingConf:
 class TrainConf:
     warmup_steps: int = 2
     steps: int = 8
+    """Measured steps; with ``target_cv``, the most a run measures (``train/steps.py``)."""
+    target_cv: float | None = None
+    """Stop measuring once the step times' CV is at or below this (e.g. 0.02), after ``min_steps``; None: measure
+    exactly ``steps``."""
+    min_steps: int = 4
+    """The fewest measured steps before ``target_cv`` may stop measuring (at least 2: one step has no spread)."""
     profile_steps: int = 1
     """Extra steps after the timed ones, with per-component timing (synchronizing) hooks on."""
     trace: bool = False
@@ -469,6 +475,10 @@ class TrainConf:
     def __post_init__(self) -> None:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.steps", self.steps)
+        if self.min_steps < 2:
+            raise ConfigFieldError(f"train.min_steps={self.min_steps} must be >= 2 (one step's times have no spread)")
+        if self.target_cv is not None and not 0 < self.target_cv < 1:
+            raise ConfigFieldError(f"train.target_cv={self.target_cv} must be > 0 and < 1 (or null: fixed steps)")
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.timeout_s", self.timeout_s)
         _positive("train.lr", self.lr)

@@ -40,6 +40,7 @@ from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.train.census import SavedTensorCensus
 from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs, local_graphed_layers, numbered
+from moe_vlm_sweep.train.steps import MeasuredSteps
 
 
 class NonFiniteLoss(RuntimeError):
@@ -70,6 +71,8 @@ class TrainResult:
     """The census step's count of bytes saved for backward, per part (None without a census step)."""
     saved_tensor_sources: str | None = None
     """The census step's largest sources of saved bytes, as a table (``saved_tensors.txt``)."""
+    measuring: MeasuredSteps | None = None
+    """How many steps were measured and why measuring stopped (``train/steps.py``)."""
 
 
 class _GcPauses:
@@ -372,6 +375,7 @@ class Trainer:
             ["warmup"] * t.warmup_steps + ["measured"] * t.steps + ["census"] * census + ["profile"] * t.profile_steps
         )  # the census before the profiling hooks, which stay on
         clock = _PhaseClock(self.plan.device)
+        measuring = result.measuring = MeasuredSteps(t, self.plan.device)
         handles: list = []
         tracing = contextlib.ExitStack()
         pauses = _GcPauses()
@@ -380,7 +384,7 @@ class Trainer:
         if t.manual_gc:
             tracing.callback(gc.enable)
         with tracing:  # on any exit: the profiler stops, the collector is back on
-            for step, phase in enumerate(schedule):
+            for step, phase in enumerate(measuring.schedule(schedule)):
                 if t.manual_gc and phase != "warmup" and gc.isenabled():
                     gc.collect()
                     gc.disable()
@@ -417,6 +421,7 @@ class Trainer:
                     _progress_line(step, len(schedule), phase, elapsed, result)
                 if phase == "measured":
                     on_measured(elapsed, result.batches[-1])
+                    measuring.record(elapsed)
                 if self.cfg.cuda_graph.impl == "local" and step == 0:
                     result.graphed_layers = local_graphed_layers(self.models)
                 result.wall_s[phase] = result.wall_s.get(phase, 0.0) + time.perf_counter() - began
