@@ -285,8 +285,12 @@ class FusionsConf:
     on an H100 (3D, MBS 32) the first warm-up step took 44 s with ``fusions=on`` and empty compile caches, 19 s
     with the previous run's caches, 2.2 s with ``fusions=off``, at step times within the runs' noise; and the fused
     loss holds an fp32 copy of the logits (``plan/memory.py``). The other fusions are Transformer Engine kernels,
-    built with TE, that cost nothing to start. ``benchmarks/trial_cost.py``'s GPU preset measures the compiled
-    pair on against this default in one invocation. ``gradient_accumulation``: megatron's version needs APEX's
+    built with TE, that cost nothing to start, with one exception under watch: ``moe_permute`` runs TE's
+    permutation as Triton kernels (``transformer_engine/pytorch/triton/permutation.py``), compiled and autotuned in
+    each new process; on the H100 the default's first warm-up step took ~5.5 s more than ``fusions=off``'s even
+    with warm caches. ``benchmarks/trial_cost.py``'s GPU run measures each fusion this default turns on alone
+    (first-step cost against step time, its summary's ``fusions``); one that does not pay for itself within a
+    trial joins the list below. ``gradient_accumulation``: megatron's version needs APEX's
     ``fused_weight_gradient_mlp_cuda`` extension, which TE-only installs lack; set it true where APEX is built
     (the worker's preflight checks). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
