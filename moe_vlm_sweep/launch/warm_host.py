@@ -109,15 +109,23 @@ def _guarded(body: Callable[[], int]) -> int:
 
 
 def _start_trial(request: dict, protocol_fds: tuple[int, int], main: Callable[[list[str]], int]) -> int:
-    """Fork the trial's process: setsid, the trial's environment, cwd and log; never returns in the child."""
+    """Fork the trial's process: setsid, the trial's environment, cwd and log; never returns in the child. Returns
+    once the child leads its own process group, so the launcher's ``killpg`` of the pid never misses it."""
     sys.stdout.flush()
     sys.stderr.flush()
+    grouped, said = os.pipe()
     pid = os.fork()
     if pid:
+        os.close(said)
+        os.read(grouped, 1)  # the child's word after setsid (or EOF, had it died first)
+        os.close(grouped)
         return pid
     code = 1
     try:
         os.setsid()
+        os.close(grouped)
+        os.write(said, b"1")
+        os.close(said)
         for fd in protocol_fds:
             os.close(fd)
         os.environ.clear()
