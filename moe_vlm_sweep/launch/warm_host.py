@@ -14,7 +14,10 @@ process group, ends the group as soon as a rank fails, and exits 1 if any did. S
 rendezvous: they start fresh processes through torchrun as before.
 
 No orphan: the host watches its launcher (``lifeline``) and exits when it, or the pipe to it, is gone; each trial
-watches the launcher too, so a ``kill -9`` of the sweep ends the host and the trial in about a second.
+watches the launcher too, so a ``kill -9`` of the sweep ends the host and the trial in about a second. The host
+ignores SIGINT and SIGTERM: a signal to the sweep (Ctrl-C, ``kill``, Slurm's SIGTERM to every process of a job)
+stops the sweep, which ends the running trial's group and then the host; the trial itself keeps the default
+handlers. A sweep interrupted while its host starts or forks kills what it started.
 
 Protocol: one JSON object a line, requests on the host's stdin, replies on its stdout (the host moves its own
 stdout to stderr first, so an import's print cannot corrupt it).
