@@ -1,26 +1,37 @@
-"""Where a trial's wall time goes: the same configs run the way a sweep ran them before (a fresh interpreter per
-trial) and the way it runs them now (forked from a warm trial host), side by side in one invocation.
+"""Where a trial's wall time goes: the same configs run the way a sweep ran them before and the way it runs them
+now, side by side in one invocation.
+
+``before``: a fresh interpreter per trial, megatron-core's torch.compile'd fusions on (``bias_dropout`` and
+``cross_entropy``, GPU only), a fixed ``train.steps``: how sweeps ran before the cheap-trial work. ``now``: the
+sweep's current default path: a trial forked from the warm trial host where ``sweep.warm_host`` is on by default
+(``--warm-host on|off`` overrides it), the shared compile caches, the default fusions (``fusions=auto``), and an
+adaptive number of measured steps (``train.target_cv``, ``train.min_steps``; ``train/steps.py``) with the
+config's ``train.steps`` as the ceiling. Each mode has its own outputs directory, so its compile caches
+(``launch/compile_cache.py``) start empty in both; they alternate per config so machine drift hits both.
 
 Per trial, by phase (from the worker's ``metrics.json`` and the launcher's wall): imports, init (process groups,
 the CPU's peak), build, wrap (DDP/FSDP and the optimizer), the first warm-up step, the other warm-up (the rest
 of the warm-up phase, graph capture included), the timed steps (the sum of the measured steps' times), census
 and profile steps, and ``rest`` (the launcher's wall minus all of those: start or fork, teardown, the measured
 phase's data fetch and reductions, writing the result). ``timed %`` is the timed steps' share of the trial's
-wall, the part of a GPU-hour that measures. The first warm trial includes the host's start (its imports), once
-per sweep.
+wall, the part of a GPU-hour that measures; ``steps`` how many steps were measured and why measuring stopped. A
+warm mode's first trial includes the host's start (its imports), once per sweep.
 
-Each mode has its own outputs directory, so its compile caches (``launch/compile_cache.py``) start empty in both;
-they alternate per config (fresh, warm, fresh, warm, ...) so machine drift hits both.
+On GPU hardware the invocation then measures the fusions one at a time, in the ``now`` mode after the configs
+(so the compile caches hold what a sweep's later trials find): ``fusions=off``, each fusion that ``fusions=auto``
+turns on alone, and ``auto`` itself. A fusion's compile cost is its first warm-up step minus ``fusions=off``'s;
+what it buys is its median step time below ``off``'s, over a trial's warm-up and measured steps. A fusion whose
+cost is not paid back within a trial is one to leave off by default (``config/schema.py: FusionsConf``); the
+summary's ``fusions`` says which. What ``fusions=auto`` turns on beyond ``off`` (read from megatron-core 0.19
+and Transformer Engine 2.x): ``moe_permute`` (TE's ``moe_permute``/``moe_unpermute``/``moe_sort_chunks_by_index``,
+whose mask-map path runs Triton kernels, ``transformer_engine/pytorch/triton/permutation.py``, JIT-compiled per
+process and autotuned per process over several block sizes: the suspect for the default's extra ~5.5 s of first
+step), ``rope`` (TE's fused rotary embedding, a CUDA kernel built with TE) and ``masked_softmax`` (megatron's
+``FusedScaleMaskSoftmax``, which only the local attention spec reads: under TE specs the attention is TE's own).
 
     python benchmarks/trial_cost.py --out benchmarks/results/trial_cost_cpu.json            # CPU, model=tiny
     python benchmarks/trial_cost.py --hardware h100 --out trial_cost_h100.json              # GPU, model=small
     python benchmarks/trial_cost.py --hardware h200 --config mbs16="batch.mbs=16" --common "model=small ..."
-
-The GPU preset (3D, MBS 32, 3 warm-up steps, as in the H100 run that found the compile cost) measures the two
-fusions megatron-core compiles with torch.compile (``bias_dropout``: ``fusions/fused_bias_dropout.py``;
-``cross_entropy``: ``fusions/fused_cross_entropy.py``, both through ``megatron.core.jit.jit_fuser``) on, against
-the default and against ``fusions=off``: the first warm-up steps say what the compile costs per trial, the step
-times what it buys (the other fusions are Transformer Engine kernels, compiled when TE was built).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from compare_configs import git_commit
@@ -43,28 +55,60 @@ from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
 from moe_vlm_sweep.metrics.schema import Metrics
 from moe_vlm_sweep.plan.compose import compose_plan
+from moe_vlm_sweep.sweep.spec import SweepConf
 
-MODES = ("fresh", "warm")
+TARGET_CV = 0.02
+"""The ``now`` mode's ``train.target_cv``: steps whose CV is within 2% move the median by less than the noise
+the confirmation accepts (``export/confirm.py``)."""
+MIN_STEPS = 4
+COMPILED_FUSIONS = "fusions.bias_dropout=true fusions.cross_entropy=true"
+"""megatron-core's torch.compile'd fusions (``megatron.core.jit.jit_fuser``), on in every GPU trial before."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    warm: bool
+    extra: str
+    """Overrides added to every config of this mode."""
+
+
+def modes(hardware: str, warm_host_now: bool) -> tuple[Mode, Mode]:
+    compiled = "" if hardware == "cpu" else COMPILED_FUSIONS  # the CPU runs no fusions
+    return (
+        Mode("before", warm=False, extra=compiled),
+        Mode("now", warm=warm_host_now, extra=f"train.target_cv={TARGET_CV} train.min_steps={MIN_STEPS}"),
+    )
+
+
 PHASES = ("imports", "init", "build", "wrap", "first_step", "other_warmup", "timed_steps", "census_profile", "rest")
 PRESETS = {
     "cpu": (
-        "model=tiny hardware=cpu train.warmup_steps=1 train.steps=3 train.profile_steps=0",
-        {
+        "model=tiny hardware=cpu train.warmup_steps=1 train.steps=6 train.profile_steps=0",
+        {  # cpu_demo's space
             "mbs1": "batch.mbs=1",
             "mbs2_frozen": "batch.mbs=2 vision=frozen",
             "mbs4_selective": "batch.mbs=4 recompute=selective dispatcher=allgather",
         },
     ),
     "gpu": (
-        "model=small parallel=3d batch.mbs=32 batch.gbs=32 train.warmup_steps=3 train.steps=8 "
-        "train.profile_steps=1 train.timeout_s=600",
-        {
-            "compiled_fusions": "fusions.bias_dropout=true fusions.cross_entropy=true",
-            "default": "",
-            "fusions_off": "fusions=off",
+        "model=small parallel=3d batch.gbs=32 train.warmup_steps=3 train.steps=8 train.profile_steps=1 "
+        "train.timeout_s=300",
+        {  # h200_single's space at model=small
+            "mbs32": "batch.mbs=32",
+            "mbs16": "batch.mbs=16",
+            "mbs32_selective": "batch.mbs=32 recompute=selective",
         },
     ),
 }
+FUSION_PROBES = {
+    "fusions_off": "fusions=off",
+    "moe_permute_alone": "fusions=off fusions.moe_permute=true",
+    "rope_alone": "fusions=off fusions.rope=true",
+    "masked_softmax_alone": "fusions=off fusions.masked_softmax=true",
+    "fusions_auto": "",
+}
+"""On GPU hardware, run in the ``now`` mode after the configs, on the first config's shape (MBS 32)."""
 
 
 def phases(metrics: Metrics, wall: float) -> dict[str, float]:
@@ -85,15 +129,15 @@ def phases(metrics: Metrics, wall: float) -> dict[str, float]:
     return split
 
 
-def run_one(mode: str, name: str, overrides: list[str], outputs: Path) -> dict:
-    overrides = [*overrides, f"outputs_dir={outputs}"]
+def run_one(mode: Mode, name: str, overrides: list[str], outputs: Path) -> dict:
+    overrides = [*overrides, *shlex.split(mode.extra), f"outputs_dir={outputs}"]
     plan, resolved_yaml = compose_plan(overrides)
     run_dir = new_run_dir(outputs, prefix=name)
     prepare(run_dir, plan, resolved_yaml)
-    result = launch(plan, run_dir, warm=mode == "warm")
+    result = launch(plan, run_dir, warm=mode.warm)
     row = {
         "config": name,
-        "mode": mode,
+        "mode": mode.name,
         "status": result.status,
         "reason": result.reason[-300:],
         "wall_s": result.wall_s,
@@ -101,21 +145,25 @@ def run_one(mode: str, name: str, overrides: list[str], outputs: Path) -> dict:
     }
     if result.ok:
         split = phases(result.metrics, result.wall_s)
+        steps = result.metrics.step_time_s
         row |= {
             "phases_s": split,
             "timed_share": split["timed_steps"] / result.wall_s,
-            "step_median_s": result.metrics.step_time_s.median,
-            "step_cv": result.metrics.step_time_s.cv,
+            "step_median_s": steps.median,
+            "step_cv": steps.cv,
+            "measured_steps": len(steps.steps),
+            "stopped_by": steps.stopped_by,
+            "warmup_steps": len(result.metrics.warmup_step_time_s or []),
         }
     return row
 
 
-def summarize(rows: list[dict]) -> dict[str, dict]:
+def summarize(rows: list[dict], mode_names: list[str]) -> dict[str, dict]:
     out = {}
-    for mode in MODES:
+    for mode in mode_names:
         mine = [r for r in rows if r["mode"] == mode]
         ok = [r for r in mine if r["status"] == "ok"]
-        later = ok[1:]  # every trial after the first: the host's start is in the first warm one
+        later = ok[1:]  # every trial after the first: a warm host's start is in the first trial
         total = sum(r["wall_s"] for r in mine)
         out[mode] = {
             "trials": len(mine),
@@ -127,13 +175,41 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
             "median_phases_s": {p: statistics.median(r["phases_s"][p] for r in ok) for p in PHASES} if ok else {},
             "max_imports_after_first_s": max((r["phases_s"]["imports"] for r in later), default=None),
         }
-    if all(out[m]["total_wall_s"] for m in MODES):
-        out["warm_over_fresh_trials_per_hour"] = out["warm"]["trials_per_hour"] / out["fresh"]["trials_per_hour"]
+    before, now = mode_names
+    if out[before]["total_wall_s"] and out[now]["total_wall_s"]:
+        out["now_over_before_trials_per_hour"] = out[now]["trials_per_hour"] / out[before]["trials_per_hour"]
     return out
 
 
-def table(rows: list[dict], summary: dict) -> str:
-    head = ["config", "mode", "wall", *PHASES, "timed %", "step ms"]
+def fusion_verdicts(probes: list[dict]) -> dict[str, dict]:
+    """Per probe against ``fusions_off``: the first warm-up step's extra seconds (the per-trial compile cost), the
+    median step's saving, and whether the saving over the trial's warm-up and measured steps pays for the cost."""
+    by_name = {r["config"]: r for r in probes if r["status"] == "ok"}
+    off = by_name.get("fusions_off")
+    if off is None:
+        return {}
+    out = {}
+    for name, r in by_name.items():
+        if name == "fusions_off":
+            continue
+        cost = r["phases_s"]["first_step"] - off["phases_s"]["first_step"]
+        saving = off["step_median_s"] - r["step_median_s"]
+        steps = r["warmup_steps"] + r["measured_steps"]
+        out[name] = {
+            "first_step_extra_s": cost,
+            "step_saving_s": saving,
+            "steps_per_trial": steps,
+            "pays_for_itself": saving * steps >= cost,
+        }
+    return out
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{scale * value:.{digits}f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ["config", "mode", "wall", *PHASES, "timed %", "step ms", "steps"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         if r["status"] != "ok":
@@ -149,26 +225,32 @@ def table(rows: list[dict], summary: dict) -> str:
                     *(f"{p[k]:.2f}" for k in PHASES),
                     f"{100 * r['timed_share']:.1f}",
                     f"{1e3 * r['step_median_s']:.1f}",
+                    f"{r['measured_steps']} ({r['stopped_by']})",
                 ]
             )
         )
-    lines.append("")
-    for mode in MODES:
+    return "\n".join(lines)
+
+
+def summary_lines(summary: dict, mode_names: list[str]) -> str:
+    lines = []
+    for mode in mode_names:
         s = summary[mode]
-
-        def fmt(value, scale=1.0, digits=1):
-            return "-" if value is None else f"{scale * value:.{digits}f}"
-
         lines.append(
             f"{mode}: {s['ok']}/{s['trials']} ok, {s['total_wall_s']:.1f} s in all, "
-            f"{fmt(s['trials_per_hour'], digits=0)} trials/hour, median wall {fmt(s['median_wall_s'])} s, "
-            f"median timed share {fmt(s['median_timed_share'], 100)}%, imports after the first trial <= "
-            f"{fmt(s['max_imports_after_first_s'], digits=2)} s"
+            f"{_fmt(s['trials_per_hour'], digits=0)} trials/hour, median wall {_fmt(s['median_wall_s'])} s, "
+            f"median timed share {_fmt(s['median_timed_share'], 100)}%, imports after the first trial <= "
+            f"{_fmt(s['max_imports_after_first_s'], digits=2)} s"
         )
     if summary.get("host_start_failed"):
         lines.append(f"the warm host did not start (its trials ran fresh): {summary['host_start_failed']}")
-    if "warm_over_fresh_trials_per_hour" in summary:
-        lines.append(f"warm / fresh trials per hour: {summary['warm_over_fresh_trials_per_hour']:.2f}x")
+    if "now_over_before_trials_per_hour" in summary:
+        lines.append(f"now / before trials per hour: {summary['now_over_before_trials_per_hour']:.2f}x")
+    for name, v in summary.get("fusions", {}).items():
+        lines.append(
+            f"{name}: first step +{v['first_step_extra_s']:.2f} s, step {1e3 * v['step_saving_s']:+.1f} ms saved "
+            f"x {v['steps_per_trial']} steps: {'pays' if v['pays_for_itself'] else 'does not pay'} for itself"
+        )
     return "\n".join(lines)
 
 
@@ -183,48 +265,69 @@ def main() -> int:
         metavar="NAME=OVERRIDES",
         help="a config to measure (repeatable; default: the hardware's preset)",
     )
+    parser.add_argument(
+        "--warm-host",
+        choices=("default", "on", "off"),
+        default="default",
+        help="the now mode's trials: forked from a warm host or fresh (default: sweep.warm_host's default)",
+    )
+    parser.add_argument("--no-fusion-probes", action="store_true", help="skip the per-fusion probes on GPU")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the configs")
-    parser.add_argument("--workdir", help="where the two outputs directories go (default: a new temp dir)")
+    parser.add_argument("--workdir", help="where the modes' outputs directories go (default: a new temp dir)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args()
-    common, presets = PRESETS["cpu" if args.hardware == "cpu" else "gpu"]
+    on_cpu = args.hardware == "cpu"
+    common, presets = PRESETS["cpu" if on_cpu else "gpu"]
     common = args.common if args.common is not None else f"{common} hardware={args.hardware}"
     configs = dict(c.split("=", 1) for c in args.config) or presets
+    warm_now = {"default": SweepConf().warm_host, "on": True, "off": False}[args.warm_host]
+    before, now = modes(args.hardware, warm_now)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="trial_cost-"))
     rows = []
     for _ in range(args.repeats):
         for name, extra in configs.items():
-            for mode in MODES:
-                rows.append(row := run_one(mode, name, shlex.split(f"{common} {extra}"), root / mode))
-                print(f"{name} {mode}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
+            for mode in (before, now):
+                rows.append(row := run_one(mode, name, shlex.split(f"{common} {extra}"), root / mode.name))
+                print(f"{name} {mode.name}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
+    probes = []
+    if not on_cpu and not args.no_fusion_probes:
+        shape = next(iter(configs.values()))
+        for name, extra in FUSION_PROBES.items():
+            probes.append(row := run_one(now, name, shlex.split(f"{common} {shape} {extra}"), root / now.name))
+            print(f"{name} {now.name}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
     host_imports = next((h.imports_s for h in warm_host._hosts.values()), None)
     warm_host.close_hosts()
     # A host that could not start (a CUDA context after its imports, say) leaves the warm trials fresh: say so.
-    summary = summarize(rows) | {
+    summary = summarize(rows, [before.name, now.name]) | {
         "host_imports_s": host_imports,
         "host_start_failed": list(warm_host._failed_starts.values()),
+        "fusions": fusion_verdicts(probes),
     }
-    text = table(rows, summary)
+    text = table(rows + probes) + "\n\n" + summary_lines(summary, [before.name, now.name])
     Path(args.out).write_text(
         json.dumps(
             {
-                "question": "Where does a trial's wall go, fresh interpreter per trial against a warm trial host?",
+                "question": "Where does a trial's wall go, the way sweeps ran trials before against the way they run "
+                "them now?",
                 "command": shlex.join(["python", *sys.argv]),
                 "git_commit": git_commit(),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
                 "common": common,
                 "configs": configs,
+                "modes": {m.name: {"warm": m.warm, "extra": m.extra} for m in (before, now)},
+                "fusion_probes": FUSION_PROBES if probes else {},
                 "summary": summary,
                 "table": text,
                 "rows": rows,
+                "probes": probes,
             },
             indent=2,
         )
         + "\n"
     )
     print(text)
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    return 0 if all(r["status"] == "ok" for r in rows + probes) else 1
 
 
 if __name__ == "__main__":

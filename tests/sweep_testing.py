@@ -14,6 +14,7 @@ import optuna
 import psutil
 
 from moe_vlm_sweep.config.compose import CONF_DIR
+from moe_vlm_sweep.launch.local import SERVE_FLAG
 
 FAST_TRAIN = ["train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
 
@@ -93,6 +94,18 @@ def processes_under(root: Path, command: str = "") -> list[psutil.Process]:
         under = cwd == root or root in cwd.parents or any(str(root) in arg for arg in cmdline)
         if under and command in " ".join(cmdline) and proc.pid != os.getpid():
             found.append(proc)
+    return found
+
+
+def trial_processes(root: Path) -> list[psutil.Process]:
+    """A run's worker processes under ``root`` without the warm trial host (``--serve``), which serves every trial
+    of the sweep and ends with it: a fresh worker, or a trial forked from the host, with its ranks."""
+    found = []
+    for proc in processes_under(root, WORKER):
+        with contextlib.suppress(psutil.Error):
+            parent = proc.parent()
+            if SERVE_FLAG not in proc.cmdline() or (parent is not None and SERVE_FLAG in parent.cmdline()):
+                found.append(proc)
     return found
 
 

@@ -5,6 +5,7 @@ signals, a real read-only mount and a real full file system (tmpfs, where this m
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -28,6 +29,7 @@ from sweep_testing import (
     private_conf,
     processes_under,
     start_cli,
+    trial_processes,
 )
 from test_sweep_e2e import SMALL_SPACE, _assert_consistent, _postgres_url
 
@@ -40,7 +42,7 @@ def _wait_in_trial(tmp_path: Path, sweep: subprocess.Popen, log: Path, number: i
     while True:
         opened = "sweep: study" in log.read_text()
         trials = only_study(tmp_path).get_trials() if opened else []
-        workers = processes_under(tmp_path, WORKER)
+        workers = trial_processes(tmp_path)
         if workers and any(
             t.number == number and t.user_attrs.get("claim") == "launch" and t.state == TrialState.RUNNING
             for t in trials
@@ -48,6 +50,14 @@ def _wait_in_trial(tmp_path: Path, sweep: subprocess.Popen, log: Path, number: i
             return workers
         assert sweep.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.2)
+
+
+def _described(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            out.append(f"{proc.pid} (parent {proc.ppid()}, {proc.status()}): {' '.join(proc.cmdline())}")
+    return out
 
 
 def _mount_tmpfs(path: Path, options: str) -> None:
@@ -244,7 +254,10 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
         sweep.send_signal(sig)
         assert sweep.wait(timeout=60) == code, log.read_text()[-4000:]
         assert time.monotonic() - began < 20
-        assert not psutil.wait_procs(workers, timeout=5)[1], "the trial's worker must be stopped with the sweep"
+        left = psutil.wait_procs(workers, timeout=5)[1]
+        assert not left, f"the trial's worker must be stopped with the sweep: {_described(left)}"
+        left = psutil.wait_procs(processes_under(tmp_path, WORKER), timeout=10)[1]
+        assert not left, f"nothing of the sweep may outlive it (a warm trial host included): {_described(left)}"
     finally:
         end_orphans(tmp_path)
     text = log.read_text()

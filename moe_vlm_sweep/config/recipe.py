@@ -152,6 +152,8 @@ KNOBS: dict[str, Knob] = {
         for f in (
             "warmup_steps",
             "steps",
+            "target_cv",
+            "min_steps",
             "profile_steps",
             "trace",
             "manual_gc",

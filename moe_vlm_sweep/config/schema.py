@@ -285,12 +285,15 @@ class FusionsConf:
     on an H100 (3D, MBS 32) the first warm-up step took 44 s with ``fusions=on`` and empty compile caches, 19 s
     with the previous run's caches, 2.2 s with ``fusions=off``, at step times within the runs' noise; and the fused
     loss holds an fp32 copy of the logits (``plan/memory.py``). The other fusions are Transformer Engine kernels,
-    built with TE, that cost nothing to start. ``benchmarks/trial_cost.py``'s GPU preset measures the compiled
-    pair on against this default in one invocation. ``gradient_accumulation``: one megatron flag for the whole
-    model; TE's layers would fuse it with their own GEMM, but the output layer is megatron's ColumnParallelLinear,
-    which needs APEX's ``fused_weight_gradient_mlp_cuda`` extension that TE-only installs lack; set it true where
-    APEX is built (the worker's preflight checks and says where megatron raises).
-    ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
+    built with TE, that cost nothing to start, with one exception under watch: ``moe_permute`` runs TE's
+    permutation as Triton kernels (``transformer_engine/pytorch/triton/permutation.py``), compiled and autotuned in
+    each new process; on the H100 the default's first warm-up step took ~5.5 s more than ``fusions=off``'s even
+    with warm caches. ``benchmarks/trial_cost.py``'s GPU run measures each fusion this default turns on alone
+    (first-step cost against step time, its summary's ``fusions``); one that does not pay for itself within a
+    trial joins the list below. ``gradient_accumulation``: one megatron flag for the whole model; TE's layers
+    would fuse it with their own GEMM, but the output layer is megatron's ColumnParallelLinear, which needs APEX's
+    ``fused_weight_gradient_mlp_cuda`` extension that TE-only installs lack; set it true where APEX is built (the
+    worker's preflight checks and says where megatron raises). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
     three more tensors of the expert width per routed token) is measured on the H200 only as a memory saver
     (with the unfused loss it lets MBS 96 fit: ``benchmarks/results/h200_small_fused/``), not alone for speed, so
@@ -448,6 +451,12 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
 class TrainConf:
     warmup_steps: int = 2
     steps: int = 8
+    """Measured steps; with ``target_cv``, the most a run measures (``train/steps.py``)."""
+    target_cv: float | None = None
+    """Stop measuring once the step times' CV is at or below this (e.g. 0.02), after ``min_steps``; None: measure
+    exactly ``steps``."""
+    min_steps: int = 4
+    """The fewest measured steps before ``target_cv`` may stop measuring (at least 2: one step has no spread)."""
     profile_steps: int = 1
     """Extra steps after the timed ones, with per-component timing (synchronizing) hooks on."""
     trace: bool = False
@@ -486,6 +495,10 @@ class TrainConf:
     def __post_init__(self) -> None:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.steps", self.steps)
+        if self.min_steps < 2:
+            raise ConfigFieldError(f"train.min_steps={self.min_steps} must be >= 2 (one step's times have no spread)")
+        if self.target_cv is not None and not 0 < self.target_cv < 1:
+            raise ConfigFieldError(f"train.target_cv={self.target_cv} must be > 0 and < 1 (or null: fixed steps)")
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.timeout_s", self.timeout_s)
         _positive("train.lr", self.lr)

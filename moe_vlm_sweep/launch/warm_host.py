@@ -14,7 +14,10 @@ process group, ends the group as soon as a rank fails, and exits 1 if any did. S
 rendezvous: they start fresh processes through torchrun as before.
 
 No orphan: the host watches its launcher (``lifeline``) and exits when it, or the pipe to it, is gone; each trial
-watches the launcher too, so a ``kill -9`` of the sweep ends the host and the trial in about a second.
+watches the launcher too, so a ``kill -9`` of the sweep ends the host and the trial in about a second. The host
+ignores SIGINT and SIGTERM: a signal to the sweep (Ctrl-C, ``kill``, Slurm's SIGTERM to every process of a job)
+stops the sweep, which ends the running trial's group and then the host; the trial itself keeps the default
+handlers. A sweep interrupted while its host starts or forks kills what it started.
 
 Protocol: one JSON object a line, requests on the host's stdin, replies on its stdout (the host moves its own
 stdout to stderr first, so an import's print cannot corrupt it).
@@ -33,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -45,6 +49,8 @@ log = logging.getLogger(__name__)
 HOST_LOG = "warm_host.log"
 READY_TIMEOUT_S = 600.0
 """How long the host may import before the launcher gives up on it (torch + TE + megatron: 15 s on an H200)."""
+KILL_UNREPORTED_S = 5.0
+"""How long a launcher interrupted while the host forks a trial waits for the trial's pid, to end it."""
 CUDA_SAFE_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 """``torch.cuda.is_available()`` asks NVML instead of initialising the CUDA driver, so an import that checks
 for a GPU leaves the host forkable (PyTorch's documented switch for fork-based launchers)."""
@@ -106,15 +112,23 @@ def _guarded(body: Callable[[], int]) -> int:
 
 
 def _start_trial(request: dict, protocol_fds: tuple[int, int], main: Callable[[list[str]], int]) -> int:
-    """Fork the trial's process: setsid, the trial's environment, cwd and log; never returns in the child."""
+    """Fork the trial's process: setsid, the trial's environment, cwd and log; never returns in the child. Returns
+    once the child leads its own process group, so the launcher's ``killpg`` of the pid never misses it."""
     sys.stdout.flush()
     sys.stderr.flush()
+    grouped, said = os.pipe()
     pid = os.fork()
     if pid:
+        os.close(said)
+        os.read(grouped, 1)  # the child's word after setsid (or EOF, had it died first)
+        os.close(grouped)
         return pid
     code = 1
     try:
         os.setsid()
+        os.close(grouped)
+        os.write(said, b"1")
+        os.close(said)
         for fd in protocol_fds:
             os.close(fd)
         os.environ.clear()
@@ -127,12 +141,19 @@ def _start_trial(request: dict, protocol_fds: tuple[int, int], main: Callable[[l
         os.dup2(out, 2)
         os.close(out)
         os.close(null)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the host ignores both; the trial must not
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         argv = request["argv"]
         nproc = request.get("nproc", 1)
         code = _guarded(lambda: main(argv)) if nproc == 1 else _guarded(lambda: _run_group(nproc, lambda: main(argv)))
     finally:
         os._exit(code)
+
+
+def _exit_if_gone(identity: str, done: threading.Event) -> None:
+    while not done.wait(WATCH_S):
+        if not is_alive(identity):
+            os._exit(1)
 
 
 def serve(preload: list[str], main: Callable[[list[str]], int]) -> int:
@@ -145,12 +166,24 @@ def serve(preload: list[str], main: Callable[[list[str]], int]) -> int:
     # Python warns at every fork of a process with a thread; torch's import starts a native one that holds no
     # lock the child needs (multiprocessing's forkserver forks the same way after its preload).
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
+    # The host ends with its launcher (the pipe, the lifeline), never by a signal meant for the sweep: Slurm's
+    # SIGTERM to every process of a job must stop the sweep and its trial, not the host under a running trial.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    identity = os.environ.get(LAUNCHER_ENV)
+    imported = threading.Event()
+    watcher = threading.Thread(target=_exit_if_gone, args=(identity, imported), name="launcher-watch", daemon=True)
+    if identity:  # imports take seconds: a launcher killed meanwhile must not leave the host importing
+        watcher.start()
     began, failed = time.perf_counter(), {}
     for name in preload:
         try:
             importlib.import_module(name)
         except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
+    imported.set()
+    if watcher.is_alive():
+        watcher.join()  # no thread of ours runs at a fork
     torch = sys.modules.get("torch")
     cuda_initialized = bool(torch is not None and torch.cuda.is_initialized())
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
@@ -166,7 +199,7 @@ def serve(preload: list[str], main: Callable[[list[str]], int]) -> int:
     )
     if cuda_initialized:
         return 1
-    identity, buffer, children = os.environ.get(LAUNCHER_ENV), b"", set()
+    buffer, children = b"", set()
     while True:
         readable, _, _ = select.select([proto_in], [], [], 0.05 if children else WATCH_S)
         for pid in list(children):
@@ -212,6 +245,9 @@ class WarmHost:
             ready = self._next(READY_TIMEOUT_S)
         except HostGone as exc:
             ready = {"exited": str(exc)}
+        except BaseException:  # a signal to the sweep while the host imports: no host is left behind
+            self.kill()
+            raise
         if ready is None or not ready.get("ready"):
             self.close()
             raise HostGone(f"the warm trial host did not start ({ready}); see {log_path}")
@@ -248,7 +284,14 @@ class WarmHost:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise HostGone(f"the warm trial host is gone ({exc}); see {self.log_path}") from exc
-        message = self._next(READY_TIMEOUT_S)
+        try:
+            message = self._next(READY_TIMEOUT_S)
+        except BaseException:  # a signal to the sweep before the host said which pid it forked: end that trial
+            with contextlib.suppress(Exception):
+                late = self._next(KILL_UNREPORTED_S) or {}
+                if "started" in late:
+                    os.killpg(int(late["started"]), signal.SIGKILL)
+            raise
         if message is None or "started" not in message:
             raise HostGone(f"the warm trial host did not fork the trial ({message}); see {self.log_path}")
         return int(message["started"])
@@ -273,8 +316,12 @@ class WarmHost:
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        self.proc.wait()
 
 
 _hosts: dict[tuple, WarmHost] = {}

@@ -38,6 +38,13 @@ class StepTimes:
     """Coefficient of variation (std / mean): how noisy the measurement is."""
     steps: list[float]
     """Every measured step's time, in order."""
+    measured: int | None = None
+    """How many steps were measured: ``train.steps``, or fewer where ``train.target_cv`` stopped measuring."""
+    stopped_by: str | None = None
+    """Why measuring stopped (``train/steps.py``): ``steps`` (``train.steps`` measured) or ``target_cv`` (the CV
+    reached ``train.target_cv`` after ``train.min_steps``)."""
+    target_cv: float | None = None
+    """``train.target_cv`` of the run (None: a fixed count of steps)."""
 
 
 @dataclass(kw_only=True)

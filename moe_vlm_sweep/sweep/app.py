@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_vlm_sweep.config.compose import CONF_DIR, with_searchpath
 from moe_vlm_sweep.config.store import register
+from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
@@ -36,9 +37,9 @@ def task(cfg: DictConfig) -> RunResult:
         return RunResult(status=RunStatus.INVALID, reason=str(exc))
     run_dir = new_run_dir(plan.run_config.outputs_dir, prefix=f"job{hydra_cfg.job.num}")
     prepare(run_dir, plan, resolved_yaml)
-    # With sweep.warm_host, forked from this process's warm trial host (imports paid once); stopped early if the
-    # sweeper says so.
-    warm = bool(OmegaConf.select(cfg, "sweep.warm_host", default=False))
+    # Forked from this process's warm trial host (imports paid once) unless sweep.warm_host=false or Slurm runs the
+    # job (sweep/spec.py says why); stopped early if the sweeper says so.
+    warm = bool(OmegaConf.select(cfg, "sweep.warm_host", default=True)) and not slurm.is_submitit(hydra_cfg.launcher)
     result = launch(plan, run_dir, warm=warm, watch=early_stop.active())
     print(summarize(result), flush=True)
     return result

@@ -133,11 +133,13 @@ class SweepConf:
     verify_steps: int = 30
     """Steps of each of verify's three runs (the reference, its re-split twin, the winner)."""
     early_stop: EarlyStopConf = field(default_factory=EarlyStopConf)
-    warm_host: bool = False
+    warm_host: bool = True
     """Fork each trial from a warm trial host that imported torch and megatron-core once
     (``launch/warm_host.py``) instead of starting a fresh interpreter: trials after the first start within about a
-    second. Off by default until the sweep's signal handling and a frozen sweep's adoption of a finished run are
-    shown to hold with it (a forked trial is the host's child, not the sweep's); not part of the study's name."""
+    second. Each trial is still a process (group) of its own that a signal to the sweep ends (130/143) and whose
+    finished result a resumed sweep adopts. Not under Slurm (``hydra/launcher=submitit_slurm``): there each trial is
+    a job of its own, in a fresh process, so a host would pay its imports for that one trial and put one more
+    process between Slurm's signals and the trial; trials run fresh. Not part of the study's name."""
 
     def __post_init__(self) -> None:
         if self.n_trials < 1:

@@ -43,6 +43,7 @@ from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.train import measure
 from moe_vlm_sweep.train.census import SavedTensorCensus
 from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs, local_graphed_layers, numbered
+from moe_vlm_sweep.train.steps import MeasuredSteps
 
 Phase = Literal["warmup", "measured", "census", "profile"]
 
@@ -82,6 +83,8 @@ class TrainResult:
     """The census step's largest sources of saved bytes, as a table (``saved_tensors.txt``)."""
     census_failure: str | None = None
     """Why the census step failed (its exception), or None: the run keeps its measurements and says so."""
+    measuring: MeasuredSteps | None = None
+    """How many steps were measured and why measuring stopped (``train/steps.py``)."""
 
 
 def training_stream(plan: RunPlan) -> contextlib.AbstractContextManager:
@@ -327,6 +330,7 @@ class Trainer:
         for model in self.models:
             model.train()
         schedule = self.schedule()
+        measuring = result.measuring = MeasuredSteps(self.cfg.train, self.plan.device)
         total, steps = sum(count for _, count in schedule), itertools.count()
         with (  # on any exit: the profiler stops, its hooks go, the collector is back on
             measure.GcPauses() as pauses,
@@ -335,6 +339,8 @@ class Trainer:
         ):
             for phase, count in schedule:
                 for _ in range(count):
+                    if phase == "measured" and measuring.stop is not None:
+                        break  # the steps' CV is within train.target_cv (or the ceiling is reached)
                     step = next(steps)
                     manual_gc.before(phase)
                     profiling.before(phase)
@@ -355,7 +361,7 @@ class Trainer:
                             result.graphed_layers = local_graphed_layers(self.models)
                         if phase == "measured":
                             on_measured(timer.seconds, result.batches[-1])
-                            # The one place to end the measured phase early (``break``): each measured step is kept.
+                            measuring.record(timer.seconds)
         result.gc_in_measured_steps = pauses.summary()
         result.split_seconds = profiling.split_seconds(self.cfg.train.profile_steps)
         return result

@@ -51,6 +51,7 @@ from moe_vlm_sweep.metrics.schema import (
 from moe_vlm_sweep.plan.layout import sharded_seq_length
 from moe_vlm_sweep.plan.memory import ELEMENT_BYTES, GIB, activation_parts, microbatches_in_flight
 from moe_vlm_sweep.plan.plan import RunPlan
+from moe_vlm_sweep.train.steps import cv
 
 GRADIENT_ACCUMULATION_NEEDS_APEX = (
     "fusions.gradient_accumulation=true needs APEX's fused_weight_gradient_mlp_cuda extension, which is not "
@@ -326,8 +327,11 @@ def build_metrics(
             p10=_quantile(times, 0.1),
             p90=_quantile(times, 0.9),
             mean=mean,
-            cv=statistics.pstdev(times) / mean if mean else 0.0,
+            cv=cv(times),
             steps=times,
+            measured=len(times),
+            stopped_by=result.measuring.stop.value if result.measuring and result.measuring.stop else None,
+            target_cv=cfg.train.target_cv,
         ),
         **r,
         padded_tokens_per_step=padded,
