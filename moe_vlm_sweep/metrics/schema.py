@@ -84,6 +84,36 @@ class SavedActivations:
 
 
 @dataclass(kw_only=True)
+class OtherProcess:
+    """A process that was not the trial's and used its GPU or its cores while it measured."""
+
+    pid: int
+    name: str
+    where: str
+    """``gpu <uuid>`` (a compute process on one of the trial's GPUs) or ``cpu`` (busy on the trial's cores)."""
+    gpu_memory_mib: float | None = None
+    """GPU memory it held at the sample that saw it (the largest), when the driver reports it."""
+    cpu_percent: float | None = None
+    """Its CPU use over the measured steps, in percent of one core."""
+
+
+@dataclass(kw_only=True)
+class Contention:
+    """Who else used the trial's devices during its measured steps (``train/contention.py``), sampled at their
+    start and end on every rank: a measurement shared with another job is slower than the config is."""
+
+    processes: list[OtherProcess] = field(default_factory=list)
+    gpu_source: str
+    """How the GPUs were read: ``nvml``, ``nvidia-smi``, ``not a GPU run``, or ``unavailable: <why>``."""
+    cores: list[int] = field(default_factory=list)
+    """The CPU cores rank 0 may run on (a CPU run's processes count when busy on any of them)."""
+    cpu_threshold_percent: float
+    """Busy means at least this much of one core over the measured steps."""
+    window_s: float
+    """Seconds between the first and last sample."""
+
+
+@dataclass(kw_only=True)
 class Metrics:
     """``metrics.json``: one successful run."""
 
@@ -153,6 +183,11 @@ class Metrics:
     """None without a census step (``train.activation_census=false``, or CUDA graphs)."""
     accounting_notes: list[str] = field(default_factory=list)
     """The simplifications the FLOPs and token accounting still makes, said plainly."""
+    contended: bool = False
+    """Another process used the run's GPUs, or was busy on its cores, while it measured (``contention`` names
+    it): the numbers are not the config's alone, and ``best`` ranks such trials after uncontended ones."""
+    contention: Contention | None = None
+    """The evidence behind ``contended``; None from a worker that did not probe."""
 
 
 @dataclass(kw_only=True)
@@ -219,6 +254,9 @@ def read_metrics(run_dir: Path) -> Metrics:
         data["component_split"] = ComponentSplit(**data["component_split"])
     if data.get("saved_activations") is not None:
         data["saved_activations"] = SavedActivations(**data["saved_activations"])
+    if data.get("contention") is not None:
+        seen = data["contention"]
+        data["contention"] = Contention(**{**seen, "processes": [OtherProcess(**p) for p in seen["processes"]]})
     return Metrics(**data)
 
 

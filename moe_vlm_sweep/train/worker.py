@@ -50,6 +50,7 @@ from moe_vlm_sweep.metrics.schema import (
 from moe_vlm_sweep.plan.layout import sharded_seq_length
 from moe_vlm_sweep.plan.memory import ELEMENT_BYTES, GIB, activation_parts, microbatches_in_flight
 from moe_vlm_sweep.plan.plan import RunPlan
+from moe_vlm_sweep.train.contention import describe, gathered_contention, gathered_probe
 
 
 class PreflightError(RuntimeError):
@@ -410,23 +411,35 @@ def run(run_dir: Path) -> None:
         clock.mark("build")
         trainer = Trainer(plan, chunks, source)
         clock.mark("wrap")
-        result = trainer.run(
+        probe = gathered_probe(plan.device)
+        on_step, on_measured = probe.around(
+            warmup_steps=cfg.train.warmup_steps,
+            steps=cfg.train.steps,
             on_step=_note_step,
-            trace_dir=run_dir if cfg.train.trace else None,
             on_measured=_Progress(plan, run_dir, peak[0]),
         )
+        result = trainer.run(
+            on_step=on_step,
+            trace_dir=run_dir if cfg.train.trace else None,
+            on_measured=on_measured,
+        )
+    contention = gathered_contention(probe)
     memory = _peak_memory_gib(plan)
     result.step_times = _slowest_rank(result.step_times, plan)
     result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
     if dist.get_rank() == 0:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
-        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, clock.seconds))
+        metrics = build_metrics(plan, result, peak, memory, clock.seconds)
+        metrics.contended, metrics.contention = bool(contention.processes), contention
+        path = write_metrics(run_dir, metrics)
         print(
             f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
             f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
             flush=True,
         )
+        if metrics.contended:
+            print(f"[worker] contended measurement: {describe(contention)}", flush=True)
 
 
 _current_step: int | None = None
