@@ -7,10 +7,18 @@ import os
 import subprocess
 import sys
 
+import optuna
 import psutil
+import yaml
 from conftest import read_json
 
+from moe_vlm_sweep.export.best import export, ranked
+from moe_vlm_sweep.export.report import write_report
+from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.metrics.schema import read_metrics
+from moe_vlm_sweep.sweep.progress import table
+from moe_vlm_sweep.sweep.spec import ObjectiveConf
+from moe_vlm_sweep.sweep.trial import CONTENDED_ATTR, outcome_of_result
 from moe_vlm_sweep.train.contention import CONTENDING_CPU_PERCENT
 
 _TRAIN = ("model=tiny", "train.steps=6", "train.warmup_steps=1", "train.profile_steps=0")
@@ -48,3 +56,44 @@ def test_without_another_busy_process_the_trial_is_not_contended_by_itself(run_c
     assert metrics["contended"] is bool(seen)
     if os.environ.get("CI", "").lower() == "true":
         assert metrics["contended"] is False, metrics["contention"]
+
+
+def _study_with_a_contended_fastest_trial():
+    study = optuna.create_study(direction="maximize", study_name="shared")
+    for speed in (100.0, 300.0, 200.0):
+        trial = study.ask()
+        trial.suggest_int("batch.mbs", 1, 8)
+        trial.set_user_attr("overrides", [f"batch.mbs={trial.params['batch.mbs']}"])
+        trial.set_user_attr("data_realism", "synthetic_images")
+        if speed == 300.0:  # the fastest measured beside a busy process
+            outcome = outcome_of_result(
+                RunResult(
+                    status="ok",
+                    metrics={
+                        "tokens_per_s": speed,
+                        "contended": True,
+                        "contention": {
+                            "processes": [{"pid": 4242, "name": "spin", "where": "cpu", "cpu_percent": 97.0}]
+                        },
+                    },
+                ),
+                ObjectiveConf(metric="tokens_per_s", direction="maximize"),
+            )
+            trial.set_user_attr(CONTENDED_ATTR, outcome.contention)
+        study.tell(trial, speed)
+    return study
+
+
+def test_a_contended_faster_trial_ranks_after_the_uncontended_ones_and_says_so(tmp_path):
+    study = _study_with_a_contended_fastest_trial()
+    assert [t.number for t in ranked(study)] == [2, 0, 1]
+    assert study.trials[1].user_attrs[CONTENDED_ATTR] == "pid 4242 spin (cpu, 97.0% CPU)"
+    printed = table(ranked(study), ["tokens_per_s"], realism="synthetic_images")
+    assert "3*" in printed and "#1: pid 4242 spin (cpu, 97.0% CPU)" in printed, printed
+    exported = export(study, sweep_dir=tmp_path / "s", conf_dir=tmp_path, top_k=3)
+    assert [e.trial.number for e in exported] == [2, 0, 1]
+    top = yaml.safe_load((tmp_path / "s" / "best" / "top.yaml").read_text())
+    assert [row["contended"] for row in top] == [None, None, "pid 4242 spin (cpu, 97.0% CPU)"]
+    assert "# Contended: measured beside pid 4242" in (tmp_path / "experiment" / "shared_t1.yaml").read_text()
+    page = write_report(study, tmp_path / "report").read_text()
+    assert "yes: pid 4242 spin (cpu, 97.0% CPU)" in page

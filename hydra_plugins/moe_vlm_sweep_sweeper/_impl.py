@@ -50,6 +50,7 @@ from moe_vlm_sweep.sweep.study import (
     study_name,
 )
 from moe_vlm_sweep.sweep.trial import (
+    CONTENDED_ATTR,
     INVALID_ERRORS,
     Outcome,
     is_refused_submission,
@@ -233,7 +234,7 @@ class SweeperImpl(Sweeper):
             failure_class = trial.user_attrs.get("failure_class", {TrialState.COMPLETE: "ok"}.get(trial.state, "crash"))
         tags = {
             f"moe_vlm_sweep.{k}": trial.user_attrs[k]
-            for k in ("reason", "data_realism", "hardware", "recipe")
+            for k in ("reason", "data_realism", "hardware", "recipe", CONTENDED_ATTR)
             if k in trial.user_attrs
         }
         return failure_class, {"sampled": trial.params, "overrides": trial.user_attrs.get("overrides", [])}, tags
@@ -331,6 +332,7 @@ class SweeperImpl(Sweeper):
             "run_dir": outcome.run_dir,
             "data_realism": outcome.metrics.get("data_realism"),
             "hardware": outcome.metrics.get("hardware"),
+            CONTENDED_ATTR: outcome.contention,
         }
         for key, value in attrs.items():
             if value:
@@ -540,6 +542,7 @@ class SweeperImpl(Sweeper):
                     best=best,
                     proposed_as=trial.user_attrs.get("proposed_as", ""),
                     left=progress.time_left(self.trial_seconds, spec.n_trials - done_now),
+                    contended=outcome.contention,
                 ),
                 flush=True,
             )

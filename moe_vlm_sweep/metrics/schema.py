@@ -204,6 +204,10 @@ class Failure:
     step: int | None
     """The step being run (None before training started)."""
     traceback: str
+    memory: dict[str, Any] | None = None
+    """The failing rank's memory at the failure, in GiB (``train/oom.py: memory_state``): RSS, peak RSS, address
+    space and its limit, available RAM, and on a GPU torch's allocated/reserved (and their peaks) with the device's
+    free and total; an ``oom`` is judged from it as well as from the error."""
 
     def __post_init__(self) -> None:
         if self.failure_class not in FAILURE_CLASSES:

@@ -17,12 +17,10 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import psutil
-import torch
-import torch.distributed as dist
 
 from moe_vlm_sweep.metrics.schema import Contention, OtherProcess
 
@@ -196,6 +194,9 @@ class ContentionProbe:
 
 def gathered_probe(device: str) -> ContentionProbe:
     """This rank's probe, knowing every rank's pid (a collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
     rank_pids: list = [None] * dist.get_world_size()
     dist.all_gather_object(rank_pids, (socket.gethostname(), os.getpid()))
     uuid = None
@@ -207,6 +208,8 @@ def gathered_probe(device: str) -> ContentionProbe:
 
 def gathered_contention(probe: ContentionProbe) -> Contention:
     """Every rank's sightings, merged (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
     by_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(by_rank, probe.seen_by_rank())
     return merge(by_rank)
@@ -228,13 +231,16 @@ def merge(by_rank: list[dict]) -> Contention:
     )
 
 
-def describe(contention: Contention) -> str:
-    """One line naming the other processes, for progress lines, MLflow tags and reports."""
+def describe(processes: Sequence[Mapping[str, Any]]) -> str:
+    """One line naming the other processes (``contention.processes`` as in ``metrics.json``), for the worker's
+    log, the sweep's progress line, MLflow tags and reports. Torch-free, so the sweep side can call it."""
     parts = []
-    for p in contention.processes:
-        if p.cpu_percent is not None:
-            use = f"{p.cpu_percent}% CPU"
+    for p in processes:
+        if p.get("cpu_percent") is not None:
+            use = f"{p['cpu_percent']}% CPU"
+        elif p.get("gpu_memory_mib") is not None:
+            use = f"{p['gpu_memory_mib']:.0f} MiB"
         else:
-            use = f"{p.gpu_memory_mib:.0f} MiB" if p.gpu_memory_mib is not None else "memory not reported"
-        parts.append(f"pid {p.pid} {p.name} ({p.where}, {use})")
+            use = "memory not reported"
+        parts.append(f"pid {p['pid']} {p['name']} ({p['where']}, {use})")
     return "; ".join(parts)

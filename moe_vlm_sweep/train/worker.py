@@ -51,6 +51,7 @@ from moe_vlm_sweep.plan.layout import sharded_seq_length
 from moe_vlm_sweep.plan.memory import ELEMENT_BYTES, GIB, activation_parts, microbatches_in_flight
 from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.train.contention import describe, gathered_contention, gathered_probe
+from moe_vlm_sweep.train.oom import is_out_of_memory, memory_state
 
 
 class PreflightError(RuntimeError):
@@ -326,34 +327,9 @@ def _saved_activations(plan: RunPlan, measured: dict[str, int] | None) -> SavedA
     )
 
 
-OOM_MESSAGES = (
-    "out of memory",  # torch.OutOfMemoryError, "CUDA error: out of memory", NCCL's "Cuda failure 'out
-    # of memory'", TE's and cuDNN frontend's wording
-    "failed to cuda calloc",  # NCCL allocating its buffers: "Failed to CUDA calloc async 24 bytes"
-    "cudaerrormemoryallocation",  # the CUDA runtime's name (TE's checks, NCCL's "unhandled cuda error" details)
-    "cuda_error_out_of_memory",  # the driver API's name (TE's cuda-python and NVRTC paths)
-    "cublas_status_alloc_failed",  # a cuBLAS workspace
-    "cudnn_status_alloc_failed",  # a cuDNN workspace
-    "can't allocate memory",  # PyTorch's CPU allocator (DefaultCPUAllocator)
-)
-"""How each library says it ran out of memory, lower case. An out-of-memory is a property of the config (the
-sampler learns to avoid it), whichever library met it first: the same packed MBS failed inside NCCL on an H100
-(``DistBackendError ... Failed to CUDA calloc async 24 bytes``) and was counted as a crash."""
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True if ``exc`` or an exception it was raised from is an out-of-memory by :data:`OOM_MESSAGES`."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, torch.OutOfMemoryError) or any(m in str(exc).lower() for m in OOM_MESSAGES):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def classify(exc: BaseException) -> str:
-    """Failure class of an exception: a refused plan is ``invalid``, not a crash."""
+def classify(exc: BaseException, memory: dict | None = None) -> str:
+    """Failure class of an exception: a refused plan is ``invalid``, not a crash; an out-of-memory is judged from
+    the error and ``memory``, the memory at the failure (``train/oom.py``)."""
     from moe_vlm_sweep.config.schema import ConfigFieldError
     from moe_vlm_sweep.plan.rules import ConfigError
     from moe_vlm_sweep.train.loop import NonFiniteLoss
@@ -362,7 +338,7 @@ def classify(exc: BaseException) -> str:
         return "invalid"
     if isinstance(exc, NonFiniteLoss):
         return "nan"
-    if is_out_of_memory(exc):
+    if is_out_of_memory(exc, memory):
         return "oom"
     return "crash"
 
@@ -439,7 +415,7 @@ def run(run_dir: Path) -> None:
             flush=True,
         )
         if metrics.contended:
-            print(f"[worker] contended measurement: {describe(contention)}", flush=True)
+            print(f"[worker] contended measurement: {describe([vars(p) for p in contention.processes])}", flush=True)
 
 
 _current_step: int | None = None
@@ -490,10 +466,12 @@ def main(argv: list[str]) -> int:
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
         if not (run_dir / FAILURE_FILE).exists():  # keep the first rank's cause, not a peer's broken pipe
+            memory = memory_state()  # the failed step's tensors are still alive: the traceback holds their frames
             write_failure(
                 run_dir,
                 Failure(
-                    failure_class=classify(exc),
+                    failure_class=classify(exc, memory),
+                    memory=memory,
                     exception_type=type(exc).__name__,
                     message=str(exc),
                     rank=rank,
