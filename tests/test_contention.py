@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import optuna
 import psutil
+import pytest
 import yaml
 from conftest import read_json
 
@@ -27,11 +29,16 @@ _TRAIN = ("model=tiny", "train.steps=6", "train.warmup_steps=1", "train.profile_
 def test_a_process_spinning_on_the_trials_cores_marks_it_contended(run_cli):
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
+        began, cpu = time.time(), psutil.Process(spinner.pid).cpu_times()
         code, run_dir = run_cli(*_TRAIN)
+        after = psutil.Process(spinner.pid).cpu_times()
+        share = 100 * (after.user + after.system - cpu.user - cpu.system) / (time.time() - began)
     finally:
         spinner.kill()
         spinner.wait()
     assert code == 0, (run_dir / "worker.log").read_text()
+    if share < 2 * CONTENDING_CPU_PERCENT:  # a host so loaded that a spinning process gets no CPU to contend with
+        pytest.skip(f"the spinning process got only {share:.0f}% of a core over the run")
     metrics = read_json(run_dir / "metrics.json")
     assert metrics["contended"] is True
     seen = {p["pid"]: p for p in metrics["contention"]["processes"]}
