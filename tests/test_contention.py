@@ -13,6 +13,8 @@ import psutil
 import pytest
 import yaml
 from conftest import read_json
+from sweep_testing import children_by_trial, cli, mlflow_runs, only_study, private_conf
+from test_sweep_e2e import SMALL_SPACE
 
 from moe_vlm_sweep.export.best import export, ranked
 from moe_vlm_sweep.export.report import write_report
@@ -104,3 +106,28 @@ def test_a_contended_faster_trial_ranks_after_the_uncontended_ones_and_says_so(t
     assert "# Contended: measured beside pid 4242" in (tmp_path / "experiment" / "shared_t1.yaml").read_text()
     page = write_report(study, tmp_path / "report").read_text()
     assert "yes: pid 4242 spin (cpu, 97.0% CPU)" in page
+
+
+@pytest.mark.slow
+def test_a_sweep_trial_measured_beside_a_busy_process_carries_the_flag(tmp_path):
+    """A real one-trial sweep beside a spinning process: the Optuna trial and its MLflow child name the process,
+    the console's trial line says CONTENDED, and ``best`` marks the row."""
+    space = SMALL_SPACE.replace("n_trials: 3", "n_trials: 1").replace("train.steps: 2", "train.steps: 6")
+    conf = private_conf(tmp_path, {"small": space})
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        proc = cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf, timeout=900)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    study = only_study(tmp_path)
+    (trial,) = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    if CONTENDED_ATTR not in trial.user_attrs:
+        metrics = read_json(tmp_path / trial.user_attrs["run_dir"] / "metrics.json")
+        pytest.skip(f"the host gave the spinning process too little CPU to count: {metrics['contention']}")
+    assert f"pid {spinner.pid} " in trial.user_attrs[CONTENDED_ATTR]
+    assert "CONTENDED (measured beside pid" in proc.stdout, proc.stdout[-3000:]
+    child = children_by_trial(mlflow_runs(tmp_path))[trial.number]
+    assert child.data.tags[f"moe_vlm_sweep.{CONTENDED_ATTR}"] == trial.user_attrs[CONTENDED_ATTR]
+    best = cli(["best", "--outputs", "outputs"], cwd=tmp_path, conf=conf)
+    assert "1*" in best.stdout and f"#{trial.number}: pid {spinner.pid}" in best.stdout, best.stdout
