@@ -3,10 +3,12 @@ cores is flagged ``contended`` with that process named; the trial's own processe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import optuna
 import psutil
@@ -28,24 +30,38 @@ from moe_vlm_sweep.train.contention import CONTENDING_CPU_PERCENT
 _TRAIN = ("model=tiny", "train.steps=6", "train.warmup_steps=1", "train.profile_steps=0")
 
 
-def test_a_process_spinning_on_the_trials_cores_marks_it_contended(run_cli):
+@contextlib.contextmanager
+def _spinning() -> Iterator[tuple[int, dict]]:
+    """A process spinning on this host's cores; after the block, ``share``: its percent of a core meanwhile."""
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    seen: dict = {}
     try:
         began, cpu = time.time(), psutil.Process(spinner.pid).cpu_times()
-        code, run_dir = run_cli(*_TRAIN)
+        yield spinner.pid, seen
         after = psutil.Process(spinner.pid).cpu_times()
-        share = 100 * (after.user + after.system - cpu.user - cpu.system) / (time.time() - began)
+        seen["share"] = 100 * (after.user + after.system - cpu.user - cpu.system) / (time.time() - began)
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def _unless_starved(found: bool, spinner: dict) -> None:
+    """Skip a test whose spinning process went unseen because it barely ran: a host so loaded (or this test's CPU
+    share so capped) that it got under three times the threshold over the whole run has nothing to show."""
+    if not found and spinner["share"] < 3 * CONTENDING_CPU_PERCENT:
+        pytest.skip(f"the spinning process got only {spinner['share']:.0f}% of a core: the host is too busy to tell")
+
+
+def test_a_process_spinning_on_the_trials_cores_marks_it_contended(run_cli):
+    with _spinning() as (pid, spinner):
+        code, run_dir = run_cli(*_TRAIN)
     assert code == 0, (run_dir / "worker.log").read_text()
-    if share < 2 * CONTENDING_CPU_PERCENT:  # a host so loaded that a spinning process gets no CPU to contend with
-        pytest.skip(f"the spinning process got only {share:.0f}% of a core over the run")
     metrics = read_json(run_dir / "metrics.json")
-    assert metrics["contended"] is True
     seen = {p["pid"]: p for p in metrics["contention"]["processes"]}
-    assert spinner.pid in seen, metrics["contention"]
-    assert seen[spinner.pid]["where"] == "cpu" and seen[spinner.pid]["cpu_percent"] >= CONTENDING_CPU_PERCENT
+    _unless_starved(pid in seen, spinner)
+    assert metrics["contended"] is True
+    assert pid in seen, metrics["contention"]
+    assert seen[pid]["where"] == "cpu" and seen[pid]["cpu_percent"] >= CONTENDING_CPU_PERCENT
     assert metrics["contention"]["gpu_source"] == "not a GPU run"
     assert set(metrics["contention"]["cores"]) == os.sched_getaffinity(0)
     assert read_metrics(run_dir).contention.processes  # the typed reader keeps the evidence
@@ -114,20 +130,14 @@ def test_a_sweep_trial_measured_beside_a_busy_process_carries_the_flag(tmp_path)
     the console's trial line says CONTENDED, and ``best`` marks the row."""
     space = SMALL_SPACE.replace("n_trials: 3", "n_trials: 1").replace("train.steps: 2", "train.steps: 6")
     conf = private_conf(tmp_path, {"small": space})
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with _spinning() as (pid, spinner):
         proc = cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf, timeout=900)
-    finally:
-        spinner.kill()
-        spinner.wait()
     study = only_study(tmp_path)
     (trial,) = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
-    if CONTENDED_ATTR not in trial.user_attrs:
-        metrics = read_json(tmp_path / trial.user_attrs["run_dir"] / "metrics.json")
-        pytest.skip(f"the host gave the spinning process too little CPU to count: {metrics['contention']}")
-    assert f"pid {spinner.pid} " in trial.user_attrs[CONTENDED_ATTR]
+    _unless_starved(f"pid {pid} " in trial.user_attrs.get(CONTENDED_ATTR, ""), spinner)
+    assert f"pid {pid} " in trial.user_attrs.get(CONTENDED_ATTR, ""), trial.user_attrs
     assert "CONTENDED (measured beside pid" in proc.stdout, proc.stdout[-3000:]
     child = children_by_trial(mlflow_runs(tmp_path))[trial.number]
     assert child.data.tags[f"moe_vlm_sweep.{CONTENDED_ATTR}"] == trial.user_attrs[CONTENDED_ATTR]
     best = cli(["best", "--outputs", "outputs"], cwd=tmp_path, conf=conf)
-    assert "1*" in best.stdout and f"#{trial.number}: pid {spinner.pid}" in best.stdout, best.stdout
+    assert "1*" in best.stdout and f"#{trial.number}: pid {pid}" in best.stdout, best.stdout
