@@ -77,7 +77,8 @@ def test_without_another_busy_process_the_trial_is_not_contended_by_itself(run_c
     # quiet host nothing else is busy, so the run is clean (a shared host's own busy jobs are listed, and then
     # each one named was using CPU of its own, not of this tree).
     mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-    assert not seen & mine, metrics["contention"]
+    ranks = set(metrics["contention"]["rank_pids"])
+    assert len(ranks) == 1 and not seen & (mine | ranks), metrics["contention"]
     assert metrics["contended"] is bool(seen)
     if os.environ.get("CI", "").lower() == "true":
         assert metrics["contended"] is False, metrics["contention"]

@@ -111,6 +111,8 @@ class Contention:
     """Busy means at least this much of one core over the measured steps."""
     window_s: float
     """Seconds between the first and last sample."""
+    rank_pids: list[int] = field(default_factory=list)
+    """The trial's own ranks (never listed as other processes, nor are their children and launchers)."""
 
 
 @dataclass(kw_only=True)

@@ -189,6 +189,7 @@ class ContentionProbe:
             "source": self.source,
             "cores": sorted(self.cores),
             "window_s": self.window_s,
+            "rank_pids": [pid for _, pid in self.rank_pids],
         }
 
 
@@ -228,6 +229,7 @@ def merge(by_rank: list[dict]) -> Contention:
         cores=by_rank[0]["cores"],
         cpu_threshold_percent=CONTENDING_CPU_PERCENT,
         window_s=by_rank[0]["window_s"],
+        rank_pids=by_rank[0]["rank_pids"],
     )
 
 
