@@ -10,6 +10,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+import torch.distributed
+
 from moe_vlm_sweep.train.oom import memory_state
 from moe_vlm_sweep.train.worker import classify
 
@@ -80,3 +84,30 @@ def test_the_same_runtime_error_with_memory_to_spare_stays_a_crash():
         )
         == "crash"
     )  # no GPU state here: nothing says memory was used up
+
+
+_NCCL_UNHANDLED = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with "
+    "NCCL_DEBUG=INFO for details), NCCL version 2.27.3\nncclUnhandledCudaError: Call to CUDA function failed."
+)
+_CUBLAS_CREATE = "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"
+
+
+def _gpu(free_gib: float, total_gib: float = 79.1) -> dict:
+    return {**memory_state(), "gpu": 0, "gpu_free_gib": free_gib, "gpu_total_gib": total_gib}
+
+
+@pytest.mark.parametrize(
+    ("exc", "free_gib", "expected"),
+    [
+        (torch.distributed.DistBackendError(_NCCL_UNHANDLED), 0.3, "oom"),  # NCCL's buffers on a full card
+        (torch.distributed.DistBackendError(_NCCL_UNHANDLED), 30.0, "crash"),  # the same words, memory to spare
+        (RuntimeError(_CUBLAS_CREATE), 0.01, "oom"),  # cuBLAS's handle on a full card
+        (RuntimeError(_CUBLAS_CREATE), 30.0, "crash"),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), 0.01, "crash"),  # a kernel's fault
+        (IndexError("index 7 is out of bounds for dimension 0 with size 4"), 0.01, "crash"),  # not the CUDA stack
+    ],
+    ids=["nccl_full", "nccl_spare", "cublas_full", "cublas_spare", "illegal_access_full", "index_full"],
+)
+def test_a_cuda_library_error_is_oom_when_the_gpu_had_no_memory_left(exc, free_gib, expected):
+    assert classify(exc, _gpu(free_gib)) == expected

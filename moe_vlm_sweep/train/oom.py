@@ -30,6 +30,9 @@ OOM_MESSAGES = (
 CUDA_LIBRARY_WORDS = ("cuda", "nccl", "cublas", "cudnn", "transformer_engine", "cutlass")
 """An error naming one of these came from the CUDA stack, where an allocation failure may be worded as anything."""
 
+KERNEL_FAULTS = ("illegal memory access", "device-side assert", "misaligned address", "illegal instruction")
+"""CUDA errors that are a kernel's fault, never an allocation's: a crash even on a full card."""
+
 LOW_FREE_FRACTION = 0.02
 """Memory counts as used up when less than this share of it is free (of the GPU; of RAM on the CPU) or the
 process's address space is this close to its ``RLIMIT_AS``: a config that leaves 2% of an 80 GB card free is
@@ -113,5 +116,8 @@ def is_out_of_memory(exc: BaseException, memory: dict[str, Any] | None = None) -
         return False
     chain = _chain(exc)
     if used_up == "gpu":
-        return any(any(w in f"{type(e).__name__} {e}".lower() for w in CUDA_LIBRARY_WORDS) for e in chain)
+        said = [f"{type(e).__name__} {e}".lower() for e in chain]
+        if any(fault in text for fault in KERNEL_FAULTS for text in said):
+            return False
+        return any(word in text for word in CUDA_LIBRARY_WORDS for text in said)
     return any(isinstance(e, (RuntimeError, OSError)) for e in chain)
