@@ -44,17 +44,21 @@ _GIB = 2**30
 def memory_state() -> dict[str, Any]:
     """The memory at the failure, in GiB: the process (RSS, peak RSS, address space and its limit) and RAM, and
     when CUDA was started its GPU (torch's allocated and reserved, their peaks, the device's free and total)."""
-    process = psutil.Process().memory_info()
-    ram = psutil.virtual_memory()
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    state: dict[str, Any] = {
-        "rss_gib": process.rss / _GIB,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB,
-        "address_space_gib": process.vms / _GIB,
-        "address_space_limit_gib": None if limit == resource.RLIM_INFINITY else limit / _GIB,
-        "ram_available_gib": ram.available / _GIB,
-        "ram_total_gib": ram.total / _GIB,
-    }
+    state: dict[str, Any] = {}
+    try:  # reading memory can itself fail when none is left: the failure is still written, with what was read
+        process = psutil.Process().memory_info()
+        ram = psutil.virtual_memory()
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        state |= {
+            "rss_gib": process.rss / _GIB,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB,
+            "address_space_gib": process.vms / _GIB,
+            "address_space_limit_gib": None if limit == resource.RLIM_INFINITY else limit / _GIB,
+            "ram_available_gib": ram.available / _GIB,
+            "ram_total_gib": ram.total / _GIB,
+        }
+    except Exception as exc:
+        state["error"] = f"{type(exc).__name__}: {exc}"[:300]
     try:
         import torch
 
@@ -70,7 +74,7 @@ def memory_state() -> dict[str, Any]:
                 "gpu_free_gib": free / _GIB,
                 "gpu_total_gib": total / _GIB,
             }
-    except Exception as exc:  # a broken CUDA context: say so, the failure is still written
+    except Exception as exc:  # a broken CUDA context: say so
         state["gpu_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return state
 
