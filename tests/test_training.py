@@ -201,6 +201,10 @@ def test_two_process_layouts_train(name, run_cli):
     assert packed == name.endswith("_packed")  # default data has padding, which only packing drops
     assert all(v == v and v > 0 for v in metrics["loss"]["values"])
     assert metrics["tokens_per_s_per_gpu"] > 0
+    contention = metrics["contention"]  # every rank sampled; neither rank is "another process" of the other
+    assert len(set(contention["rank_pids"])) == 2 and not {p["pid"] for p in contention["processes"]} & set(
+        contention["rank_pids"]
+    )
     census = metrics["saved_activations"]  # rank 0's: the first pipeline stage, with every micro-batch in flight
     assert census["microbatches_in_flight"] == (2 if name == "pp2" else 1)
     assert census["measured_gib"]["vision_encoder"] > 0 and census["measured_gib"]["decoder.layers.mlp"] > 0

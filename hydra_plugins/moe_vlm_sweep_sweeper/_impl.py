@@ -52,6 +52,7 @@ from moe_vlm_sweep.sweep.study import (
     study_name,
 )
 from moe_vlm_sweep.sweep.trial import (
+    CONTENDED_ATTR,
     INVALID_ERRORS,
     Outcome,
     is_refused_submission,
@@ -237,7 +238,7 @@ class SweeperImpl(Sweeper):
             )
         tags = {
             f"moe_vlm_sweep.{k}": trial.user_attrs[k]
-            for k in ("reason", "data_realism", "hardware", "recipe")
+            for k in ("reason", "data_realism", "hardware", "recipe", CONTENDED_ATTR)
             if k in trial.user_attrs
         }
         return failure_class, {"sampled": trial.params, "overrides": trial.user_attrs.get("overrides", [])}, tags
@@ -339,6 +340,7 @@ class SweeperImpl(Sweeper):
             "run_dir": outcome.run_dir,
             "data_realism": outcome.metrics.data_realism if outcome.metrics else None,
             "hardware": outcome.metrics.hardware if outcome.metrics else None,
+            CONTENDED_ATTR: outcome.contention,
         }
         for key, value in attrs.items():
             if value:
@@ -552,6 +554,7 @@ class SweeperImpl(Sweeper):
                     best=best,
                     proposed_as=trial.user_attrs.get("proposed_as", ""),
                     left=progress.time_left(self.trial_seconds, spec.n_trials - done_now),
+                    contended=outcome.contention,
                 ),
                 flush=True,
             )

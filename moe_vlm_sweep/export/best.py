@@ -25,6 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.export import recipes
 from moe_vlm_sweep.launch.run_dir import rerun_command, write_atomic
+from moe_vlm_sweep.sweep.trial import CONTENDED_ATTR, is_contended
 
 
 class ExportError(ValueError):
@@ -60,14 +61,16 @@ def realism_of(trials: Sequence[FrozenTrial]) -> str | None:
 
 def ranked(study: optuna.Study, recipe: str | None = None) -> list[FrozenTrial]:
     """Completed trials of one recipe (``recipe``, else the baseline's: ``export/recipes.py``) best first; with
-    two objectives, their Pareto front ordered by the first objective."""
+    two objectives, their Pareto front ordered by the first objective. Uncontended trials come first."""
     complete = recipes.keep(
         study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), recipes.chosen(study, recipe)
     )
     if len(study.directions) > 1:
         complete = recipes.pareto(complete, study) if complete else []
     sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
-    return sorted(complete, key=lambda t: (sign * t.values[0], t.number))
+    # A trial measured beside another process (metrics.json's ``contended``) is not the config's own speed: it
+    # never outranks an uncontended one; tables mark it.
+    return sorted(complete, key=lambda t: (is_contended(t), sign * t.values[0], t.number))
 
 
 def experiment_yaml(overrides: Sequence[str], conf_dir: Path = CONF_DIR, *, header: str = "") -> str:
@@ -122,9 +125,14 @@ def export(
         name = f"{study.study_name}_best" if rank == 1 else f"{study.study_name}_t{trial.number}"
         overrides = list(trial.user_attrs.get("overrides", []))
         held = " after confirmation re-runs, see best/confirm.json" if trial is confirmed else ""
+        shared = (
+            f"# Contended: measured beside {trial.user_attrs[CONTENDED_ATTR]}; its values are not the config's own.\n"
+            if is_contended(trial)
+            else ""
+        )
         header = (
             f"# Trial #{trial.number} of study {study.study_name} (rank {rank}{held}, values {trial.values}, "
-            f"data realism {realism}).\n# Run it: moe-vlm-sweep run +experiment={name}\n"
+            f"data realism {realism}).\n{shared}# Run it: moe-vlm-sweep run +experiment={name}\n"
         )
         write_atomic(conf_dir / "experiment" / f"{name}.yaml", experiment_yaml(overrides, header=header))
         exported.append(Exported(rank=rank, trial=trial, experiment=name, overrides=overrides))
@@ -152,6 +160,7 @@ def export(
                 "overrides": e.overrides,
                 "run_dir": e.trial.user_attrs.get("run_dir"),
                 "confirmed": e.trial is confirmed,
+                "contended": e.trial.user_attrs.get(CONTENDED_ATTR),
             }
             for e in exported
         ]

@@ -25,6 +25,7 @@ from moe_vlm_sweep.export.best import ExportError, ranked
 from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.metrics.schema import read_metrics
 from moe_vlm_sweep.sweep.study import StorageError
+from moe_vlm_sweep.sweep.trial import CONTENDED_ATTR, is_contended
 
 REPORT_DIR = "report"
 
@@ -153,9 +154,15 @@ def write_report(study: optuna.Study, out: Path, *, top_k: int = 5, links: Seque
     out.mkdir(parents=True, exist_ok=True)
     names = _metric_names(study)
     top = ranked(study)[:top_k]
-    rows = [["rank", "trial", *names, "config"]]
+    rows = [["rank", "trial", *names, "config", "contended (ranked after the uncontended)"]]
     rows += [
-        [str(i), f"#{t.number}", *(f"{v:.4g}" for v in t.values), " ".join(f"{k}={v}" for k, v in t.params.items())]
+        [
+            str(i),
+            f"#{t.number}",
+            *(f"{v:.4g}" for v in t.values),
+            " ".join(f"{k}={v}" for k, v in t.params.items()),
+            f"yes: {t.user_attrs[CONTENDED_ATTR]}" if is_contended(t) else "no",
+        ]
         for i, t in enumerate(top, 1)
     ]
     counts = failure_counts(study)

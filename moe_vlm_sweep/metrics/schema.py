@@ -94,6 +94,38 @@ class SavedActivations:
 
 
 @dataclass(kw_only=True)
+class OtherProcess:
+    """A process that was not the trial's and used its GPU or its cores while it measured."""
+
+    pid: int
+    name: str
+    where: str
+    """``gpu <uuid>`` (a compute process on one of the trial's GPUs) or ``cpu`` (busy on the trial's cores)."""
+    gpu_memory_mib: float | None = None
+    """GPU memory it held at the sample that saw it (the largest), when the driver reports it."""
+    cpu_percent: float | None = None
+    """Its CPU use over the measured steps, in percent of one core."""
+
+
+@dataclass(kw_only=True)
+class Contention:
+    """Who else used the trial's devices during its measured steps (``train/contention.py``), sampled at their
+    start and end on every rank: a measurement shared with another job is slower than the config is."""
+
+    processes: list[OtherProcess] = field(default_factory=list)
+    gpu_source: str
+    """How the GPUs were read: ``nvml``, ``nvidia-smi``, ``not a GPU run``, or ``unavailable: <why>``."""
+    cores: list[int] = field(default_factory=list)
+    """The CPU cores rank 0 may run on (a CPU run's processes count when busy on any of them)."""
+    cpu_threshold_percent: float
+    """Busy means at least this much of one core over the measured steps."""
+    window_s: float
+    """Seconds between the first and last sample."""
+    rank_pids: list[int] = field(default_factory=list)
+    """The trial's own ranks (never listed as other processes, nor are their children and launchers)."""
+
+
+@dataclass(kw_only=True)
 class Metrics:
     """``metrics.json``: one successful run."""
 
@@ -180,6 +212,11 @@ class Metrics:
     that rejects saved-tensor hooks) leaves the run its measurements, and says so here."""
     accounting_notes: list[str] = field(default_factory=list)
     """The simplifications the FLOPs and token accounting still makes, said plainly."""
+    contended: bool = False
+    """Another process used the run's GPUs, or was busy on its cores, while it measured (``contention`` names
+    it): the numbers are not the config's alone, and ``best`` ranks such trials after uncontended ones."""
+    contention: Contention | None = None
+    """The evidence behind ``contended``; None from a worker that did not probe."""
 
 
 @dataclass(kw_only=True)
@@ -196,6 +233,10 @@ class Failure:
     step: int | None
     """The step being run (None before training started)."""
     traceback: str
+    memory: dict[str, Any] | None = None
+    """The failing rank's memory at the failure, in GiB (``train/oom.py: memory_state``): RSS, peak RSS, address
+    space and its limit, available RAM, and on a GPU torch's allocated/reserved (and their peaks) with the device's
+    free and total; an ``oom`` is judged from it as well as from the error."""
 
     def __post_init__(self) -> None:
         if self.failure_class not in FAILURE_CLASSES:

@@ -12,6 +12,8 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from moe_vlm_sweep.sweep.trial import CONTENDED_ATTR, is_contended
+
 
 def _fmt(value: float) -> str:
     return f"{value:.4g}"
@@ -87,12 +89,15 @@ def trial_line(
     best: FrozenTrial | None,
     proposed_as: str = "",
     left: str = "",
+    contended: str | None = None,
 ) -> str:
     config = config_text(sampled) or "(no searched knobs)"
     if proposed_as:
         config += f" ({proposed_as})"
     if values is not None:
         result = "ok " + " ".join(f"{n}={_fmt(v)}" for n, v in zip(metric_names, values))
+        if contended:
+            result += f" CONTENDED (measured beside {contended})"
     else:
         first = reason.strip().splitlines()[-1] if reason.strip() else ""
         result = f"{failure_class.upper()}" + (f" ({first[:160]})" if first else "")
@@ -109,10 +114,17 @@ def table(trials: Sequence[FrozenTrial], metric_names: Sequence[str], *, realism
     rows = [["rank", "trial", *metric_names, "config"]]
     for rank, trial in enumerate(trials, 1):
         config = " ".join(f"{k}={v}" for k, v in trial.params.items())
-        rows.append([str(rank), f"#{trial.number}", *(_fmt(v) for v in trial.values), config])
+        mark = "*" if is_contended(trial) else ""
+        rows.append([f"{rank}{mark}", f"#{trial.number}", *(_fmt(v) for v in trial.values), config])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    shared = [t for t in trials if is_contended(t)]
+    if shared:
+        lines.append(
+            "* measured beside another process on its GPUs or cores (ranked after every uncontended trial): "
+            + "; ".join(f"#{t.number}: {t.user_attrs[CONTENDED_ATTR]}" for t in shared)
+        )
     if realism:
         lines.append(f"data realism of these results: {realism}")
     return "\n".join(lines)

@@ -98,6 +98,25 @@ class Outcome:
     def ok(self) -> bool:
         return self.state == "complete"
 
+    @property
+    def contention(self) -> str | None:
+        """Who shared the trial's devices while it measured (``metrics.json``'s ``contention``), or None."""
+        if not self.metrics.get(CONTENDED_ATTR):
+            return None
+        from moe_vlm_sweep.train.contention import describe
+
+        return describe((self.metrics.get("contention") or {}).get("processes", [])) or "contended"
+
+
+CONTENDED_ATTR = "contended"
+"""The user attr (and MLflow tag suffix) of a trial measured beside another process: its value names them.
+``metrics.json``'s flag of the same name; ``best`` ranks such trials after the uncontended ones."""
+
+
+def is_contended(trial: Any) -> bool:
+    """True for a trial (Optuna's FrozenTrial) that measured beside another process."""
+    return bool(trial.user_attrs.get(CONTENDED_ATTR))
+
 
 # OOM and invalid are properties of the config (the sampler should steer away); crash, timeout and NaN may be
 # the machine or the step count, so they are failures Optuna does not learn from. A trial stopped early

@@ -51,6 +51,8 @@ from moe_vlm_sweep.metrics.schema import (
 from moe_vlm_sweep.plan.layout import sharded_seq_length
 from moe_vlm_sweep.plan.memory import ELEMENT_BYTES, GIB, activation_parts, microbatches_in_flight
 from moe_vlm_sweep.plan.plan import RunPlan
+from moe_vlm_sweep.train.contention import describe, gathered_contention, gathered_probe
+from moe_vlm_sweep.train.oom import is_out_of_memory, memory_state
 from moe_vlm_sweep.train.steps import cv
 
 GRADIENT_ACCUMULATION_NEEDS_APEX = (
@@ -372,34 +374,9 @@ def _saved_activations(plan: RunPlan, measured: dict[str, int] | None) -> SavedA
     )
 
 
-OOM_MESSAGES = (
-    "out of memory",  # torch.OutOfMemoryError, "CUDA error: out of memory", NCCL's "Cuda failure 'out
-    # of memory'", TE's and cuDNN frontend's wording
-    "failed to cuda calloc",  # NCCL allocating its buffers: "Failed to CUDA calloc async 24 bytes"
-    "cudaerrormemoryallocation",  # the CUDA runtime's name (TE's checks, NCCL's "unhandled cuda error" details)
-    "cuda_error_out_of_memory",  # the driver API's name (TE's cuda-python and NVRTC paths)
-    "cublas_status_alloc_failed",  # a cuBLAS workspace
-    "cudnn_status_alloc_failed",  # a cuDNN workspace
-    "can't allocate memory",  # PyTorch's CPU allocator (DefaultCPUAllocator)
-)
-"""How each library says it ran out of memory, lower case. An out-of-memory is a property of the config (the
-sampler learns to avoid it), whichever library met it first: the same packed MBS failed inside NCCL on an H100
-(``DistBackendError ... Failed to CUDA calloc async 24 bytes``) and was counted as a crash."""
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True if ``exc`` or an exception it was raised from is an out-of-memory by :data:`OOM_MESSAGES`."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, torch.OutOfMemoryError) or any(m in str(exc).lower() for m in OOM_MESSAGES):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def classify(exc: BaseException) -> RunStatus:
-    """Failure class of an exception: a refused plan is ``invalid``, not a crash."""
+def classify(exc: BaseException, memory: dict | None = None) -> RunStatus:
+    """Failure class of an exception: a refused plan is ``invalid``, not a crash; an out-of-memory is judged from
+    the error and ``memory``, the memory at the failure (``train/oom.py``)."""
     from moe_vlm_sweep.config.schema import ConfigFieldError
     from moe_vlm_sweep.plan.rules import ConfigError
     from moe_vlm_sweep.train.loop import NonFiniteLoss
@@ -408,7 +385,7 @@ def classify(exc: BaseException) -> RunStatus:
         return RunStatus.INVALID
     if isinstance(exc, NonFiniteLoss):
         return RunStatus.NAN
-    if is_out_of_memory(exc):
+    if is_out_of_memory(exc, memory):
         return RunStatus.OOM
     return RunStatus.CRASH
 
@@ -457,11 +434,20 @@ def run(run_dir: Path) -> None:
         clock.mark("build")
         trainer = Trainer(plan, chunks, source)
         clock.mark("wrap")
-        result = trainer.run(
+        probe = gathered_probe(plan.device)
+        on_step, on_measured = probe.around(
+            warmup_steps=cfg.train.warmup_steps,
+            steps=cfg.train.steps,
             on_step=_note_step,
-            trace_dir=run_dir if cfg.train.trace else None,
             on_measured=_Progress(plan, run_dir, peak[0]),
         )
+        result = trainer.run(
+            on_step=on_step,
+            trace_dir=run_dir if cfg.train.trace else None,
+            on_measured=on_measured,
+        )
+    probe.stop()  # measuring stopped early by train.target_cv: the window ends here
+    contention = gathered_contention(probe)
     scope = precision_scope(chunks) if plan.fp8_recipe else None
     memory = _peak_memory_gib(plan)
     result.step_times = _slowest_rank(result.step_times, plan)
@@ -470,12 +456,16 @@ def run(run_dir: Path) -> None:
     if dist.get_rank() == 0:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
-        path = write_metrics(run_dir, build_metrics(plan, result, peak, memory, clock.seconds, scope))
+        metrics = build_metrics(plan, result, peak, memory, clock.seconds, scope)
+        metrics.contended, metrics.contention = bool(contention.processes), contention
+        path = write_metrics(run_dir, metrics)
         print(
             f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
             f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
             flush=True,
         )
+        if metrics.contended:
+            print(f"[worker] contended measurement: {describe([vars(p) for p in contention.processes])}", flush=True)
 
 
 _current_step: int | None = None
@@ -525,10 +515,12 @@ def main(argv: list[str]) -> int:
         rank = int(os.environ.get("RANK", "0"))
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
+        memory = memory_state()  # the failed step's tensors are still alive: the traceback holds their frames
         write_failure(  # the first rank's cause is failure.json; a peer's broken pipe goes beside it
             run_dir,
             Failure(
-                failure_class=classify(exc),
+                failure_class=classify(exc, memory),
+                memory=memory,
                 exception_type=type(exc).__name__,
                 message=str(exc),
                 rank=rank,
