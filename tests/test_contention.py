@@ -15,13 +15,14 @@ import psutil
 import pytest
 import yaml
 from conftest import read_json
+from contract_samples import sample_metrics
 from sweep_testing import children_by_trial, cli, mlflow_runs, only_study, private_conf
 from test_sweep_e2e import SMALL_SPACE
 
 from moe_vlm_sweep.export.best import export, ranked
 from moe_vlm_sweep.export.report import write_report
 from moe_vlm_sweep.launch.result import RunResult
-from moe_vlm_sweep.metrics.schema import read_metrics
+from moe_vlm_sweep.metrics.schema import Contention, OtherProcess, read_metrics
 from moe_vlm_sweep.sweep.progress import table
 from moe_vlm_sweep.sweep.spec import ObjectiveConf
 from moe_vlm_sweep.sweep.trial import CONTENDED_ATTR, outcome_of_result
@@ -92,18 +93,17 @@ def _study_with_a_contended_fastest_trial():
         trial.set_user_attr("overrides", [f"batch.mbs={trial.params['batch.mbs']}"])
         trial.set_user_attr("data_realism", "synthetic_images")
         if speed == 300.0:  # the fastest measured beside a busy process
+            metrics = sample_metrics()
+            metrics.tokens_per_s, metrics.contended = speed, True
+            metrics.contention = Contention(
+                processes=[OtherProcess(pid=4242, name="spin", where="cpu", cpu_percent=97.0)],
+                gpu_source="not a GPU run",
+                cores=[0],
+                cpu_threshold_percent=10.0,
+                window_s=1.0,
+            )
             outcome = outcome_of_result(
-                RunResult(
-                    status="ok",
-                    metrics={
-                        "tokens_per_s": speed,
-                        "contended": True,
-                        "contention": {
-                            "processes": [{"pid": 4242, "name": "spin", "where": "cpu", "cpu_percent": 97.0}]
-                        },
-                    },
-                ),
-                ObjectiveConf(metric="tokens_per_s", direction="maximize"),
+                RunResult(status="ok", metrics=metrics), ObjectiveConf(metric="tokens_per_s", direction="maximize")
             )
             trial.set_user_attr(CONTENDED_ATTR, outcome.contention)
         study.tell(trial, speed)

@@ -101,11 +101,11 @@ class Outcome:
     @property
     def contention(self) -> str | None:
         """Who shared the trial's devices while it measured (``metrics.json``'s ``contention``), or None."""
-        if not self.metrics.get(CONTENDED_ATTR):
+        if self.metrics is None or not self.metrics.contended:
             return None
         from moe_vlm_sweep.train.contention import describe
 
-        return describe((self.metrics.get("contention") or {}).get("processes", [])) or "contended"
+        return describe(self.metrics.contention.processes if self.metrics.contention else []) or "contended"
 
 
 CONTENDED_ATTR = "contended"

@@ -17,7 +17,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import psutil
@@ -237,16 +237,16 @@ def merge(by_rank: list[dict]) -> Contention:
     )
 
 
-def describe(processes: Sequence[Mapping[str, Any]]) -> str:
-    """One line naming the other processes (``contention.processes`` as in ``metrics.json``), for the worker's
-    log, the sweep's progress line, MLflow tags and reports. Torch-free, so the sweep side can call it."""
+def describe(processes: Sequence[OtherProcess]) -> str:
+    """One line naming the other processes (``contention.processes`` of ``metrics.json``), for the worker's log,
+    the sweep's progress line, MLflow tags and reports. Torch-free, so the sweep side can call it."""
     parts = []
     for p in processes:
-        if p.get("cpu_percent") is not None:
-            use = f"{p['cpu_percent']}% CPU"
-        elif p.get("gpu_memory_mib") is not None:
-            use = f"{p['gpu_memory_mib']:.0f} MiB"
+        if p.cpu_percent is not None:
+            use = f"{p.cpu_percent}% CPU"
+        elif p.gpu_memory_mib is not None:
+            use = f"{p.gpu_memory_mib:.0f} MiB"
         else:
             use = "memory not reported"
-        parts.append(f"pid {p['pid']} {p['name']} ({p['where']}, {use})")
+        parts.append(f"pid {p.pid} {p.name} ({p.where}, {use})")
     return "; ".join(parts)

@@ -465,7 +465,7 @@ def run(run_dir: Path) -> None:
             flush=True,
         )
         if metrics.contended:
-            print(f"[worker] contended measurement: {describe([vars(p) for p in contention.processes])}", flush=True)
+            print(f"[worker] contended measurement: {describe(contention.processes)}", flush=True)
 
 
 _current_step: int | None = None
