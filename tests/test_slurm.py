@@ -505,6 +505,40 @@ def test_a_cancelled_job_is_a_crash_and_a_run_past_its_timeout_a_timeout(cluster
 
 
 @pytest.mark.slow
+def test_a_job_slurm_ends_at_its_time_limit_is_a_timeout_and_the_sweep_goes_on(cluster, tmp_path):
+    """Slurm's own time limit: each trial's job is submitted with a limit that holds its run (60 min, past
+    train.timeout_s=3000 s by the margin), and once it runs its limit is cut to one minute, Slurm's least, as a
+    user or an admin may (``scontrol update TimeLimit=1``). Slurm ends the job at that limit (SIGTERM, SIGKILL
+    after KillWait) and records it TIMEOUT; the trial fails as a timeout and the sweep goes on to the next trial,
+    which ends the same way. signal_delay_s=0: no submitit signal before the limit, so the kill is Slurm's."""
+    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    proc = _start_sweep(
+        ["run", "-m", "sweep=tiny2", *SLURM_CPU, "hydra.launcher.signal_delay_s=0", *LONG],
+        cwd=tmp_path,
+        conf=conf,
+        log=log,
+    )
+    jobs: list[str] = []
+    try:
+        for _ in range(2):
+            jobs.append(_running_job(cluster, tmp_path, proc, log, set(jobs)))
+            assert "TimeLimit=01:00:00" in cluster.run("scontrol", "show", "job", jobs[-1])
+            cluster.run("scontrol", "update", f"JobId={jobs[-1]}", "TimeLimit=1")
+        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert [cluster.job_state(j) for j in jobs] == ["TIMEOUT", "TIMEOUT"]
+    trials = only_study(tmp_path).get_trials()
+    assert [t.user_attrs["failure_class"] for t in trials] == ["timeout", "timeout"], log.read_text()[-3000:]
+    assert all("(state: TIMEOUT" in t.user_attrs["reason"] for t in trials), [t.user_attrs["reason"] for t in trials]
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert [
+        (children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"]) for t in trials
+    ] == [("FAILED", "timeout"), ("FAILED", "timeout")]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
     [
