@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ class SweepWorker(submitit.helpers.Checkpointable):
             # Slurm may be ending the job (scancel, requeue, preemption, time limit: SIGTERM to every process,
             # SIGKILL after KillWait; submitit's own process ignores SIGTERM). Returning now would write a result
             # and end the job as if the sweep had finished; waiting lets it end as Slurm says (requeued, ...).
-            slurm.await_slurm_end()
+            # Killed by SIGTERM, or the sweep's own clean stop on it (exit 128 + SIGTERM).
+            slurm.await_slurm_end(terminated=code in (-signal.SIGTERM, 128 + signal.SIGTERM))
         return code
 
     def checkpoint(self, argv: list[str]) -> submitit.helpers.DelayedSubmission:

@@ -75,15 +75,19 @@ def ending_job() -> str | None:
     return state if proc.returncode == 0 and state and state != "RUNNING" else None
 
 
-def await_slurm_end() -> None:
+def await_slurm_end(terminated: bool = False) -> None:
     """When Slurm ends a job it sends SIGTERM to each of its processes and SIGKILL after KillWait. A run that the
     SIGTERM ended must not be reported: a trial job's result would be read as a crash in place of the state Slurm
     gives the job (TIMEOUT, CANCELLED), and a sweep worker's return would end a job that Slurm means to requeue
-    as if it had finished. So the process waits for the SIGKILL (at most END_WAIT_S), then goes on as before."""
-    state = ending_job()
-    if state is None:
+    as if it had finished. So the process waits for the SIGKILL (at most END_WAIT_S), then goes on as before.
+    ``terminated``: the run ended on SIGTERM; inside a job that comes from Slurm even while the job still shows
+    RUNNING (a preempted job's GraceTime), so the wait holds whatever squeue says."""
+    if "SLURM_JOB_ID" not in os.environ:
         return
-    logging.getLogger(__name__).warning("Slurm is ending this job (%s); waiting for it to end", state)
+    state = ending_job()
+    if state is None and not terminated:
+        return
+    logging.getLogger(__name__).warning("Slurm is ending this job (%s); waiting for it", state or "SIGTERM")
     deadline = time.monotonic() + END_WAIT_S
-    while time.monotonic() < deadline and ending_job() is not None:
+    while time.monotonic() < deadline and (terminated or ending_job() is not None):
         time.sleep(5)
