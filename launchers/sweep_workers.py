@@ -15,18 +15,17 @@ job's time limit, less a margin, as ``sweep.time_budget_s``: it stops between tr
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import NoReturn
 
 import submitit
 
 from moe_vlm_sweep.config.compose import CompositionError, compose_config
+from moe_vlm_sweep.launch import slurm
 
 GENERIC = {"timeout_min", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb", "name"}
 """submitit's executor-independent parameters (used by ``--cluster local`` too); any other ``--slurm key=value`` is
@@ -35,8 +34,6 @@ TIMEOUT_MIN = 24 * 60
 """The job's time limit unless ``--slurm timeout_min=...`` says otherwise (submitit's own default is 5 minutes)."""
 STOP_GRACE_S = 30
 """How long a preempted worker's sweep gets to stop before it is killed (well inside submitit's signal delay)."""
-SLURM_END_WAIT_S = 600
-"""How long a task whose sweep got SIGTERM waits for Slurm to end it (KillWait is seconds to a minute)."""
 MARGIN_S = 300
 """Of the job's time limit, kept back from the sweep's budget for start-up, the last export and MLflow."""
 
@@ -64,12 +61,12 @@ class SweepWorker(submitit.helpers.Checkpointable):
         command = [cli] if cli else [sys.executable, "-m", "moe_vlm_sweep.cli"]
         self.process = subprocess.Popen([*command, "run", "-m", *argv])
         code = self.process.wait()
-        # killed by SIGTERM, or the sweep's own clean stop on it (exit 128 + SIGTERM)
-        if code in (-signal.SIGTERM, 128 + signal.SIGTERM) and "SLURM_JOB_ID" in os.environ:
-            # Slurm is ending the job (scancel, requeue, preemption, time limit: SIGTERM to every process, SIGKILL
-            # after KillWait; submitit's own process ignores SIGTERM). Returning now would write a result and end
-            # the job as if the sweep had finished; waiting lets it end as Slurm says (CANCELLED, requeued, ...).
-            time.sleep(SLURM_END_WAIT_S)
+        if code != 0:
+            # Slurm may be ending the job (scancel, requeue, preemption, time limit: SIGTERM to every process,
+            # SIGKILL after KillWait; submitit's own process ignores SIGTERM). Returning now would write a result
+            # and end the job as if the sweep had finished; waiting lets it end as Slurm says (requeued, ...).
+            # Killed by SIGTERM, or the sweep's own clean stop on it (exit 128 + SIGTERM).
+            slurm.await_slurm_end(terminated=code in (-signal.SIGTERM, 128 + signal.SIGTERM))
         return code
 
     def checkpoint(self, argv: list[str]) -> submitit.helpers.DelayedSubmission:

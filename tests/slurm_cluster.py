@@ -6,6 +6,12 @@ sbatch, squeue, scancel, scontrol, sacct and submitit at it. Every daemon is sto
 sacct is what submitit reads a job's state from (a cancelled or timed-out job writes no result, and only its
 state ends the wait), and sacct needs Slurm's accounting: slurmdbd on a MariaDB server of its own (datadir and
 socket in the same directory, a free port on 127.0.0.1).
+
+Two partitions on the node, as a cluster with preemption has them: ``debug`` (the default) and ``urgent``, whose
+higher PriorityTier preempts a ``debug`` job that holds the CPUs it needs (``preempt/partition_prio``): Slurm
+kills that job (SIGTERM, SIGKILL after KillWait) and requeues it (``PreemptMode=REQUEUE``). A requeued job waits
+``cred_expire`` seconds before it may start again (20 here; 120 by default). A job ends at its time limit with no
+grace (``OverTimeLimit=0``, ``KillWait=5``).
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=20
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -89,9 +95,13 @@ AccountingStoragePass={root}/munge/munge.socket
 JobAcctGatherType=jobacct_gather/none
 JobRequeue=1
 KillWait=5
+OverTimeLimit=0
 MinJobAge=600
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF
 """
 
 SLURMDBD_CONF = """\
@@ -156,7 +166,7 @@ class SlurmCluster:
         state = ""
         while time.monotonic() < deadline:
             state = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).strip()
-            if state == "idle":
+            if state and set(state.split()) == {"idle"}:  # the node's line in each partition
                 return
             time.sleep(0.5)
         raise ClusterUnavailable(f"the node is {state or 'not known'} after {timeout:g} s, not idle\n{self.logs()}")

@@ -1,7 +1,8 @@
 """Slurm through submitit, on a real one-node cluster (``tests/slurm_cluster.py``, the ``slurm`` fixture): the
 preset composes; a job that cannot hold the runs is refused before submission; a sweep's trials run as sbatch
-jobs, and the sweep resumes after kill -9; a cancelled job is a crash and the sweep goes on; sweep workers run
-as a job array on one PostgreSQL study, and a requeued worker resumes it. Under CI=true (or
+jobs, and the sweep resumes after kill -9; a cancelled job is a crash and the sweep goes on; a job Slurm ends at
+its time limit is a timeout and the sweep goes on; sweep workers run as a job array on one PostgreSQL study, and a
+worker requeued (scontrol requeue) or preempted by a higher-priority partition's job resumes it. Under CI=true (or
 MOE_VLM_SWEEP_REQUIRE_SLURM=1) a cluster that cannot start fails these tests; elsewhere they skip."""
 
 from __future__ import annotations
@@ -259,8 +260,6 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
 
         requeued, interrupted = _wait(running_trial_task, "a trial a worker runs", None, quiet)
         cluster.run("scontrol", "requeue", requeued)
-        _wait(lambda: cluster.job_state(requeued) == "PENDING", "the requeued task pending", None, quiet)
-        cluster.run("scontrol", "update", f"JobId={requeued}", "StartTime=now")  # else Slurm holds it ~2 min
         out = "".join(lines) + proc.communicate(timeout=900)[0]
         assert proc.returncode == 0, out[-6000:]
         trials, attrs = study().get_trials(), study().user_attrs
@@ -287,6 +286,82 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
     assert len(ledger.counted(trials)) == 4, [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
     assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched), "no config twice"
     assert len({t.user_attrs["worker"].split(":")[1] for t in launched}) >= 2, "both tasks should have run trials"
+
+
+@pytest.mark.slow
+def test_a_sweep_worker_preempted_by_a_higher_priority_job_resumes_the_study(cluster, tmp_path):
+    """Slurm's preemption: a sweep worker (a job of the default partition) runs a trial when a job of the urgent
+    partition (a higher PriorityTier) asks for every CPU of the node. Slurm preempts the worker (SIGTERM, SIGKILL
+    after KillWait) and requeues it (PreemptMode=REQUEUE), runs the urgent job, then the worker again: the same
+    command, which resumes the study. The trial it was running is marked interrupted and re-run once, the trials
+    it finished stay, no config is measured twice, n_trials holds, and MLflow has each trial's run."""
+    from test_sweep_e2e import _postgres_url
+
+    conf, quiet = private_conf(tmp_path, {"tiny2": SPACE}), Path(os.devnull)
+    storage, stop = _postgres_url(tmp_path)
+    args = ["--workers", "1", "--cluster", "slurm", "--slurm", "timeout_min=30", "--folder", str(tmp_path / "s")]
+    proc = subprocess.Popen(
+        _sweep_workers(storage, *args, "--", "sweep=tiny2", "sweep.study_name=shared"),  # the last --workers holds
+        cwd=tmp_path,
+        env=_env(conf),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("worker "), line
+        worker = line.split()[1].rstrip(":")
+
+        def running_trial():
+            try:
+                trials = optuna.load_study(study_name="shared", storage=storage).get_trials()
+            except KeyError:  # not created yet
+                return None
+            # one that owns its config: a signal before that (while the trial's config composes) is not a run's
+            return next(
+                (t.number for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("claim") == "launch"),
+                None,
+            )
+
+        # generous: a trial waits for the CPU cores another trial on this host measures on
+        interrupted = _wait(running_trial, "a trial the worker runs", None, quiet, timeout=600)
+        urgent = cluster.run(
+            "sbatch",
+            "--parsable",
+            "-p",
+            "urgent",
+            f"--cpus-per-task={cluster.cpus}",
+            "-o",
+            os.devnull,
+            "--wrap",
+            "sleep 1",
+        ).strip()
+        out = line + proc.communicate(timeout=900)[0]
+        assert proc.returncode == 0, out[-6000:]
+        study = optuna.load_study(study_name="shared", storage=storage)
+        trials, attrs = study.get_trials(), study.user_attrs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop()
+    history = cluster.run("sacct", "-n", "-D", "-X", "-P", "-o", "JobID,State,Partition", "-j", f"{worker},{urgent}")
+    assert "PREEMPTED" in history and f"{urgent}|COMPLETED|urgent" in history, history
+    log = (tmp_path / "s" / f"{worker}_0_log.out").read_text()
+    assert log.count("Starting with JobEnvironment") == 2 and log.count("sweep: study shared") == 2, log[-3000:]
+    assert trials[interrupted].state == TrialState.FAIL
+    assert (
+        f"interrupted.{interrupted}" in attrs or trials[interrupted].user_attrs.get("failure_class") == "interrupted"
+    ), (attrs, trials[interrupted].user_attrs)
+    counted = ledger.counted(trials)
+    assert len(counted) == 2 and all(t.user_attrs["failure_class"] == "ok" for t in counted), [
+        (t.number, t.state, t.user_attrs.get("failure_class")) for t in trials
+    ]
+    launched = [t for t in trials if t.user_attrs.get("claim") == "launch" and t.number != interrupted]
+    assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched), "no config twice"
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert children[interrupted].data.tags["moe_vlm_sweep.failure_class"] == "interrupted"
+    assert all(children[t.number].info.status == "FINISHED" for t in counted)
 
 
 def _sweep_workers(storage: str, *args: str) -> list[str]:
@@ -502,6 +577,40 @@ def test_a_cancelled_job_is_a_crash_and_a_run_past_its_timeout_a_timeout(cluster
     assert [
         (children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"]) for t in trials
     ] == [("FAILED", "crash"), ("FAILED", "timeout")]
+
+
+@pytest.mark.slow
+def test_a_job_slurm_ends_at_its_time_limit_is_a_timeout_and_the_sweep_goes_on(cluster, tmp_path):
+    """Slurm's own time limit: each trial's job is submitted with a limit that holds its run (60 min, past
+    train.timeout_s=3000 s by the margin), and once it runs its limit is cut to one minute, Slurm's least, as a
+    user or an admin may (``scontrol update TimeLimit=1``). Slurm ends the job at that limit (SIGTERM, SIGKILL
+    after KillWait) and records it TIMEOUT; the trial fails as a timeout and the sweep goes on to the next trial,
+    which ends the same way. signal_delay_s=0: no submitit signal before the limit, so the kill is Slurm's."""
+    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    proc = _start_sweep(
+        ["run", "-m", "sweep=tiny2", *SLURM_CPU, "hydra.launcher.signal_delay_s=0", *LONG],
+        cwd=tmp_path,
+        conf=conf,
+        log=log,
+    )
+    jobs: list[str] = []
+    try:
+        for _ in range(2):
+            jobs.append(_running_job(cluster, tmp_path, proc, log, set(jobs)))
+            assert "TimeLimit=01:00:00" in cluster.run("scontrol", "show", "job", jobs[-1])
+            cluster.run("scontrol", "update", f"JobId={jobs[-1]}", "TimeLimit=1")
+        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert [cluster.job_state(j) for j in jobs] == ["TIMEOUT", "TIMEOUT"]
+    trials = only_study(tmp_path).get_trials()
+    assert [t.user_attrs["failure_class"] for t in trials] == ["timeout", "timeout"], log.read_text()[-3000:]
+    assert all("(state: TIMEOUT" in t.user_attrs["reason"] for t in trials), [t.user_attrs["reason"] for t in trials]
+    children = children_by_trial(mlflow_runs(tmp_path))
+    assert [
+        (children[t.number].info.status, children[t.number].data.tags["moe_vlm_sweep.failure_class"]) for t in trials
+    ] == [("FAILED", "timeout"), ("FAILED", "timeout")]
 
 
 @pytest.mark.slow

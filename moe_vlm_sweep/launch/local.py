@@ -12,6 +12,9 @@ imports again. Every run gets the shared compile caches (``launch/compile_cache.
 
 ``watch`` (a sweep's early stop) is called about once a second with the run directory while the worker runs; a
 reason it returns ends the run's process group, and the run is ``pruned`` with that reason.
+
+Inside a Slurm job that Slurm is ending (time limit, scancel, preemption), a crashed run is not reported: the
+process waits for Slurm's kill, so the job ends with Slurm's state (``launch/slurm.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 from moe_vlm_sweep.config.codec import DecodeError
-from moe_vlm_sweep.launch import warm_host
+from moe_vlm_sweep.launch import slurm, warm_host
 from moe_vlm_sweep.launch.compile_cache import cache_env
 from moe_vlm_sweep.launch.lifeline import LAUNCHER_ENV, launcher_identity
 from moe_vlm_sweep.launch.result import RunResult
@@ -244,6 +247,8 @@ def launch(
         ended = _kill_group(trial)
         returncode = returncode if returncode is not None else ended
     result = classify(run_dir, returncode, timed_out, timeout_s, stopped, getattr(trial, "gone", None))
+    if result.status == RunStatus.CRASH:  # Slurm's SIGTERM may have ended the worker: the job's state tells, not this run
+        slurm.await_slurm_end(terminated=returncode == -signal.SIGTERM)
     result.run_dir, result.wall_s = str(run_dir), time.monotonic() - start
     result.write(run_dir)
     return result

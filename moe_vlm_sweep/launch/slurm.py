@@ -7,6 +7,10 @@ submitted, because a job that cannot hold the run fails only after waiting in th
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +19,9 @@ JOB_MARGIN_S = 120
 """What a job needs beyond ``train.timeout_s``: its Python start, the trial's composition, the worker's teardown.
 submitit's signal (``signal_delay_s`` before the limit) comes on top: once it arrives, submitit ends or requeues
 the job, so the worker's own timeout must have fired by then."""
+END_WAIT_S = 600
+"""How long a job's process waits for Slurm to kill it once Slurm is ending its job (KillWait, the time between
+Slurm's SIGTERM and its SIGKILL, is seconds to a minute on real clusters)."""
 
 
 def is_submitit(hydra_launcher: Mapping[str, Any]) -> bool:
@@ -52,3 +59,35 @@ def job_problems(job: Mapping[str, Any], *, nproc_per_node: int, nnodes: int, ti
             "time-limit signal or Slurm's kill"
         )
     return problems
+
+
+def ending_job() -> str | None:
+    """The state of the Slurm job this process runs in, if Slurm is ending it (past its time limit, cancelled,
+    preempted or requeued: no longer RUNNING); None outside a job, while it runs on, or where squeue cannot tell."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = proc.stdout.strip()
+    return state if proc.returncode == 0 and state and state != "RUNNING" else None
+
+
+def await_slurm_end(terminated: bool = False) -> None:
+    """When Slurm ends a job it sends SIGTERM to each of its processes and SIGKILL after KillWait. A run that the
+    SIGTERM ended must not be reported: a trial job's result would be read as a crash in place of the state Slurm
+    gives the job (TIMEOUT, CANCELLED), and a sweep worker's return would end a job that Slurm means to requeue
+    as if it had finished. So the process waits for the SIGKILL (at most END_WAIT_S), then goes on as before.
+    ``terminated``: the run ended on SIGTERM; inside a job that comes from Slurm even while the job still shows
+    RUNNING (a preempted job's GraceTime), so the wait holds whatever squeue says."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return
+    state = ending_job()
+    if state is None and not terminated:
+        return
+    logging.getLogger(__name__).warning("Slurm is ending this job (%s); waiting for it", state or "SIGTERM")
+    deadline = time.monotonic() + END_WAIT_S
+    while time.monotonic() < deadline and (terminated or ending_job() is not None):
+        time.sleep(5)
