@@ -130,6 +130,7 @@ def local_launcher_is_one_process(cfg: RunConfig) -> str | None:
             f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} with launcher.nnodes={cfg.launcher.nnodes}: "
             "launcher=local runs one process; use launcher=torchrun for a world size > 1"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -139,18 +140,21 @@ def processes_fit_the_node(cfg: RunConfig) -> str | None:
             f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} must be <= "
             f"hardware.gpus_per_node={cfg.hardware.gpus_per_node} (hardware={cfg.hardware.name})"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
 def te_needs_gpu(cfg: RunConfig) -> str | None:
     if cfg.hardware.device == "cpu" and cfg.train.transformer_impl == "transformer_engine":
         return "train.transformer_impl=transformer_engine needs GPU hardware, not hardware=cpu"
+    return None
 
 
 @rule(Basis.RUNTIME)
 def cuda_graphs_need_gpu(cfg: RunConfig) -> str | None:
     if cfg.hardware.device == "cpu" and cfg.cuda_graph.impl != "none":
         return f"cuda_graph.impl={cfg.cuda_graph.impl} needs GPU hardware, not hardware=cpu"
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -159,6 +163,7 @@ def fusions_need_gpu(cfg: RunConfig) -> str | None:
         on = [name for name in cfg.fusions.GPU_ONLY if getattr(cfg.fusions, name)]
         if on:
             return f"fusions.{on[0]}=true needs GPU hardware (CUDA kernels), not hardware=cpu"
+    return None
 
 
 @rule(Basis.IGNORED)
@@ -168,6 +173,7 @@ def allocator_setting_needs_gpu(cfg: RunConfig) -> str | None:
             "train.expandable_segments=true configures the CUDA caching allocator; it needs GPU hardware, "
             "not hardware=cpu"
         )
+    return None
 
 
 # --- layout ------------------------------------------------------------------------------------------------
@@ -181,6 +187,7 @@ def dense_layout_divides_world(cfg: RunConfig) -> str | None:
             f"parallel.tp*pp*cp={p.tp}*{p.pp}*{p.cp}={p.tp * p.pp * p.cp} must divide the world size "
             f"{_world(cfg)} (launcher.nproc_per_node * launcher.nnodes)"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{PS}: world_size % (expert tensor * expert * pipeline parallel size) == 0")
@@ -190,6 +197,7 @@ def expert_layout_divides_world(cfg: RunConfig) -> str | None:
         return (
             f"parallel.etp*ep*pp={p.etp}*{p.ep}*{p.pp}={p.etp * p.ep * p.pp} must divide the world size {_world(cfg)}"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: num_attention_heads % tensor_model_parallel_size == 0")
@@ -197,6 +205,7 @@ def tp_divides_heads(cfg: RunConfig) -> str | None:
     d = cfg.model.decoder
     if d.num_attention_heads % cfg.parallel.tp:
         return f"parallel.tp={cfg.parallel.tp} must divide model.decoder.num_attention_heads={d.num_attention_heads}"
+    return None
 
 
 @rule(
@@ -210,6 +219,7 @@ def tp_and_query_groups_divide(cfg: RunConfig) -> str | None:
         return (
             f"parallel.tp={tp} must be a multiple or a divisor of model.decoder.num_query_groups={d.num_query_groups}"
         )
+    return None
 
 
 @rule(
@@ -226,6 +236,7 @@ def tp_divides_fused_qkv(cfg: RunConfig) -> str | None:
             f"parallel.tp={tp} must divide the fused QKV width {width} (model.decoder head_dim {d.head_dim} x "
             f"(num_attention_heads {d.num_attention_heads} + 2 x num_query_groups {d.num_query_groups}))"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: num_attention_heads % tensor_model_parallel_size == 0, vision config")
@@ -236,6 +247,7 @@ def tp_divides_vision_heads(cfg: RunConfig) -> str | None:
             f"parallel.tp={cfg.parallel.tp} must divide model.vision.num_attention_heads={v.num_attention_heads} "
             "(the ViT runs with the decoder's TP)"
         )
+    return None
 
 
 @rule(
@@ -250,18 +262,21 @@ def pp_divides_layers(cfg: RunConfig) -> str | None:
             f"parallel.pp*vpp={p.pp}*{p.vpp} must divide model.decoder.num_layers={layers} "
             "(every pipeline chunk holds the same number of layers)"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{PS}: pipeline-model-parallel size should be greater than 1 with interleaved schedule")
 def vpp_needs_pp(cfg: RunConfig) -> str | None:
     if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
         return f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp > 1 (interleaving splits pipeline stages)"
+    return None
 
 
 @rule(Basis.MODEL_BUILD, "megatron/core/transformer/moe/moe_layer.py: num_moe_experts % ep_size == 0")
 def ep_divides_experts(cfg: RunConfig) -> str | None:
     if cfg.model.decoder.num_experts % cfg.parallel.ep:
         return f"parallel.ep={cfg.parallel.ep} must divide model.decoder.num_experts={cfg.model.decoder.num_experts}"
+    return None
 
 
 @rule(
@@ -273,6 +288,7 @@ def etp_divides_expert_ffn(cfg: RunConfig) -> str | None:
     d = cfg.model.decoder
     if d.moe_ffn_hidden_size % cfg.parallel.etp:
         return f"parallel.etp={cfg.parallel.etp} must divide model.decoder.moe_ffn_hidden_size={d.moe_ffn_hidden_size}"
+    return None
 
 
 @rule(
@@ -281,6 +297,7 @@ def etp_divides_expert_ffn(cfg: RunConfig) -> str | None:
 def sp_needs_tp(cfg: RunConfig) -> str | None:
     if cfg.parallel.sp and cfg.parallel.tp == 1:
         return "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the TP group)"
+    return None
 
 
 @rule(
@@ -294,6 +311,7 @@ def moe_with_tp_needs_sp(cfg: RunConfig) -> str | None:
             f"parallel.tp={cfg.parallel.tp} with MoE layers needs parallel.sp=true "
             "(megatron-core's MoE layer raises during training otherwise)"
         )
+    return None
 
 
 @rule(
@@ -307,6 +325,7 @@ def sp_needs_uniform_layers(cfg: RunConfig) -> str | None:
             f"model.decoder.moe_layer_freq={freq} with parallel.sp/cp: megatron-core's LLaVA checks a single "
             "layer spec under sequence or context parallelism, and mixed dense/MoE layers need a block spec"
         )
+    return None
 
 
 @rule(Basis.MODEL_BUILD, f"{LLAVA}: Sequence/Context Parallelism is supported only with TE DotProductAttention")
@@ -318,6 +337,7 @@ def cp_needs_te(cfg: RunConfig) -> str | None:
             f"parallel.cp={cfg.parallel.cp} needs Transformer Engine attention "
             "(megatron-core's local DotProductAttention supports cp=1 only)"
         )
+    return None
 
 
 @rule(Basis.MODEL_BUILD, f"{LLAVA}: Sequence/Context Parallelism is supported only with TE DotProductAttention")
@@ -329,12 +349,14 @@ def sp_on_gpu_needs_te(cfg: RunConfig) -> str | None:
             "parallel.sp=true on GPU hardware needs train.transformer_impl=transformer_engine: LLaVA "
             "supports sequence parallelism only with TE attention"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
 def fsdp_has_no_pipeline(cfg: RunConfig) -> str | None:
     if cfg.parallel.strategy == "fsdp" and cfg.parallel.pp > 1:
         return f"parallel.pp={cfg.parallel.pp} with parallel=fsdp: Megatron-FSDP does not pipeline; use parallel=3d"
+    return None
 
 
 @rule(
@@ -345,6 +367,7 @@ def gbs_divisible_by_mbs_dp(cfg: RunConfig) -> str | None:
     b, dp = cfg.batch, _dp(cfg)
     if dp >= 1 and b.gbs % (b.mbs * dp):
         return f"batch.gbs={b.gbs} must be divisible by batch.mbs*dp={b.mbs}*{dp}={b.mbs * dp}"
+    return None
 
 
 @rule(
@@ -366,6 +389,7 @@ def interleaving_needs_whole_microbatch_groups(cfg: RunConfig) -> str | None:
             f"(batch.gbs / (batch.mbs * dp) = {b.gbs} / ({b.mbs} * {dp}) = {microbatches}) to be a multiple "
             f"of parallel.pp={p.pp}"
         )
+    return None
 
 
 # --- model shape -------------------------------------------------------------------------------------------
@@ -380,6 +404,7 @@ def spatial_merge_needs_even_grid(cfg: RunConfig) -> str | None:
             f"model.vision.spatial_merge={v.spatial_merge} must divide the patch grid side {grid} "
             f"(model.vision.image_size / model.vision.patch_size)"
         )
+    return None
 
 
 # --- recompute ---------------------------------------------------------------------------------------------
@@ -392,6 +417,7 @@ def selective_needs_modules(cfg: RunConfig) -> str | None:
         return "recompute.modules=[] with recompute=selective: name at least one module (e.g. core_attn)"
     if r.granularity != "selective" and r.modules:
         return f"recompute.modules={r.modules} applies to recompute=selective only, not {r.granularity}"
+    return None
 
 
 @rule(Basis.MEGATRON, f'{TC}: recompute_method must be "block" or "uniform" with recompute_granularity full')
@@ -399,6 +425,7 @@ def full_recompute_needs_method(cfg: RunConfig) -> str | None:
     r = cfg.recompute
     if r.granularity == "full" and r.method is None:
         return "recompute=full needs recompute.method (uniform|block)"
+    return None
 
 
 @rule(Basis.IGNORED)
@@ -410,6 +437,7 @@ def full_recompute_fields(cfg: RunConfig) -> str | None:
         return "recompute=full needs recompute.num_layers"
     if r.granularity != "full" and (r.method is not None or r.num_layers is not None):
         return f"recompute.method/recompute.num_layers apply to recompute=full only, not {r.granularity}"
+    return None
 
 
 @rule(Basis.IGNORED)
@@ -418,6 +446,7 @@ def recompute_layers_fit_stage(cfg: RunConfig) -> str | None:
     per_chunk = cfg.model.decoder.num_layers // (p.pp * p.vpp)
     if r.granularity == "full" and r.num_layers is not None and r.num_layers > per_chunk:
         return f"recompute.num_layers={r.num_layers} must be <= the {per_chunk} decoder layers of one pipeline chunk"
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_act in recompute_modules is only supported with moe_grouped_gemm")
@@ -427,12 +456,14 @@ def moe_act_recompute_needs_te(cfg: RunConfig) -> str | None:
             "recompute.modules contains moe_act, which needs TE grouped GEMM "
             "(train.transformer_impl=transformer_engine)"
         )
+    return None
 
 
 @rule(Basis.IGNORED)
 def mla_recompute_needs_mla(cfg: RunConfig) -> str | None:
     if "mla_up_proj" in cfg.recompute.modules:
         return "recompute.modules contains mla_up_proj, which needs multi-latent attention; these models use GQA"
+    return None
 
 
 @rule(Basis.IGNORED)
@@ -442,6 +473,7 @@ def mlp_recompute_needs_dense_layers(cfg: RunConfig) -> str | None:
             "recompute.modules contains mlp, which recomputes dense MLPs; every layer is MoE "
             "(model.decoder.moe_layer_freq=1): use moe or moe_act"
         )
+    return None
 
 
 @rule(Basis.IGNORED)
@@ -451,6 +483,7 @@ def shared_expert_recompute_needs_shared_experts(cfg: RunConfig) -> str | None:
             "recompute.modules contains shared_experts, but "
             "model.decoder.moe_shared_expert_intermediate_size is not set"
         )
+    return None
 
 
 # --- CUDA graphs -------------------------------------------------------------------------------------------
@@ -461,6 +494,7 @@ def graph_modules_need_impl(cfg: RunConfig) -> str | None:
     g = cfg.cuda_graph
     if g.impl == "none" and g.modules:
         return f"cuda_graph.modules={g.modules} needs cuda_graph.impl local or transformer_engine, not none"
+    return None
 
 
 @rule(Basis.MEGATRON, f'{TC}: cuda_graph_modules must be empty when cuda_graph_impl="full_iteration"')
@@ -468,6 +502,7 @@ def full_iteration_takes_no_modules(cfg: RunConfig) -> str | None:
     g = cfg.cuda_graph
     if g.impl == "full_iteration" and g.modules:
         return f"cuda_graph.modules={g.modules} must be empty with cuda_graph.impl=full_iteration"
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -477,6 +512,7 @@ def full_iteration_cannot_capture_llava(cfg: RunConfig) -> str | None:
             "cuda_graph.impl=full_iteration cannot capture LLaVAModel: its _preprocess_data calls .tolist() "
             "(a host sync) inside the step; use cuda_graph=attn or a layer scope"
         )
+    return None
 
 
 def _graphed_modules(cfg: RunConfig) -> set[str]:
@@ -506,24 +542,28 @@ def graph_moe_scopes_exclusive(cfg: RunConfig) -> str | None:
         return (
             f"cuda_graph.modules contains both moe and moe_router{also}; they are exclusive (moe graphs the router too)"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_preprocess cuda graph is only supported with moe_router cuda graph")
 def graph_preprocess_needs_router(cfg: RunConfig) -> str | None:
     if "moe_preprocess" in _graphed_modules(cfg) and "moe_router" not in _graphed_modules(cfg):
         return "cuda_graph.modules contains moe_preprocess, which needs moe_router as well"
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: mlp cuda graph is only supported for dense layers")
 def graph_mlp_needs_dense_layers(cfg: RunConfig) -> str | None:
     if "mlp" in _graphed_modules(cfg) and _all_layers_moe(cfg):
         return "cuda_graph.modules contains mlp, but every layer is MoE (model.decoder.moe_layer_freq=1): use moe"
+    return None
 
 
 @rule(Basis.IGNORED)
 def graph_mamba_needs_mamba(cfg: RunConfig) -> str | None:
     if "mamba" in cfg.cuda_graph.modules:
         return "cuda_graph.modules contains mamba, but these decoders have no Mamba layers"
+    return None
 
 
 def _pad_fix(cfg: RunConfig) -> str:
@@ -537,6 +577,7 @@ def graph_moe_needs_drop_and_pad(cfg: RunConfig) -> str | None:
             f"cuda_graph.modules contains moe, which needs drop-and-pad (static shapes): {_pad_fix(cfg)}"
             "dispatcher.capacity_factor and dispatcher.pad_to_capacity=true"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -549,6 +590,7 @@ def whole_layer_graphs_need_drop_and_pad(cfg: RunConfig) -> str | None:
             "cuda_graph.modules is empty (whole layers, experts included), which needs drop-and-pad (static "
             f"shapes): {_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_preprocess cuda graph with alltoall and a capacity factor but no padding")
@@ -565,6 +607,7 @@ def graph_preprocess_vs_alltoall_capacity(cfg: RunConfig) -> str | None:
             f"with dispatcher.capacity_factor={d.capacity_factor} unless dispatcher.pad_to_capacity=true "
             "(dropping without padding syncs the host in the preprocess step)"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -574,6 +617,7 @@ def local_graphs_need_drop_and_pad(cfg: RunConfig) -> str | None:
             "cuda_graph.impl=local cannot capture dropless MoE (cudaErrorCapturedEvent in the dispatcher): "
             f"{_pad_fix(cfg)}dispatcher.capacity_factor and dispatcher.pad_to_capacity=true"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: full recompute is only supported with full iteration CUDA graph")
@@ -583,6 +627,7 @@ def full_recompute_only_with_full_iteration(cfg: RunConfig) -> str | None:
             f"recompute=full with cuda_graph.impl={cfg.cuda_graph.impl}: megatron-core allows full recompute "
             "only with full_iteration graphs; use recompute=selective or cuda_graph=none"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe recompute is not supported with moe_router CUDA graph with transformer_engine")
@@ -596,6 +641,7 @@ def moe_recompute_excludes_router_graph(cfg: RunConfig) -> str | None:
             "recompute.modules contains moe while cuda_graph.modules contains moe_router: a recomputed MoE "
             "block cannot hold a TE-graphed router"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -607,12 +653,14 @@ def graph_warmup_within_warmup(cfg: RunConfig) -> str | None:
             "graphs are captured after cuda_graph.warmup_steps eager steps, and at least one graphed warmup "
             "step must follow before the timed steps"
         )
+    return None
 
 
 @rule(Basis.IGNORED)
 def trace_needs_profile_steps(cfg: RunConfig) -> str | None:
     if cfg.train.trace and cfg.train.profile_steps == 0:
         return "train.trace=true traces the profile steps, but train.profile_steps=0: set it to 1 or more"
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -630,6 +678,7 @@ def layer_graphs_vs_fsdp(cfg: RunConfig) -> str | None:
             "cuda_graph.impl=local with parallel.fsdp_sharding=optim_grads_params: Megatron-FSDP gathers each "
             "layer's parameters in forward hooks that a graph replay skips; use parallel=3d"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -639,6 +688,7 @@ def te_graphs_need_te_specs(cfg: RunConfig) -> str | None:
             "cuda_graph.impl=transformer_engine captures through TE make_graphed_callables, which needs "
             "train.transformer_impl=transformer_engine (the local specs are graphed by cuda_graph=layer_local)"
         )
+    return None
 
 
 # --- precision ---------------------------------------------------------------------------------------------
@@ -655,6 +705,7 @@ def fp8_needs_fp8_hardware(cfg: RunConfig) -> str | None:
             "train.precision=fp8 needs GPU hardware with FP8 GEMMs (Hopper or later), but "
             f"hardware={cfg.hardware.name} has hardware.fp8=false"
         )
+    return None
 
 
 @rule(Basis.IGNORED)
@@ -665,6 +716,7 @@ def fp8_needs_te_specs(cfg: RunConfig) -> str | None:
             "train.precision=fp8 runs the decoder's Transformer Engine GEMMs in FP8; with "
             "train.transformer_impl=local no layer is TE's and the run would train in bf16"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: Delayed scaling does not support moe_act and layernorm recompute for fp8")
@@ -675,6 +727,7 @@ def fp8_delayed_excludes_moe_act_recompute(cfg: RunConfig) -> str | None:
             f"recompute.modules contains {' and '.join(modules)}, which train.fp8_recipe=delayed cannot recompute: "
             "use train.fp8_recipe=tensorwise or blockwise, or drop them"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -685,6 +738,7 @@ def fp8_excludes_packing(cfg: RunConfig) -> str | None:
             "count TE's FP8 GEMMs refuse unless it is a multiple of 8 (transformer_engine/pytorch/utils.py: "
             "assert_dim_for_fp8_exec), and it changes every micro-batch; use data.packing=false"
         )
+    return None
 
 
 def fp8_gemm_shapes(cfg: RunConfig) -> list[tuple[str, int, int]]:
@@ -776,6 +830,7 @@ def fits_in_gpu_memory(cfg: RunConfig) -> str | None:
             f"hardware.memory_gib={cfg.hardware.memory_gib}: shard further (parallel.tp/pp/ep, more GPUs, "
             "parallel=fsdp), lower batch.mbs or use recompute=full"
         )
+    return None
 
 
 # --- MoE dispatcher ----------------------------------------------------------------------------------------
@@ -788,12 +843,14 @@ def flex_needs_backend(cfg: RunConfig) -> str | None:
         return "dispatcher.token_dispatcher=flex needs dispatcher.flex_backend (deepep|hybridep)"
     if d.token_dispatcher != "flex" and d.flex_backend is not None:
         return f"dispatcher.flex_backend={d.flex_backend} applies to the flex dispatcher only, not {d.token_dispatcher}"
+    return None
 
 
 @rule(Basis.RUNTIME)
 def flex_needs_gpu(cfg: RunConfig) -> str | None:
     if cfg.dispatcher.token_dispatcher == "flex" and cfg.hardware.device == "cpu":
         return f"dispatcher={cfg.dispatcher.name} runs DeepEP CUDA kernels; it needs GPU hardware, not hardware=cpu"
+    return None
 
 
 @rule(
@@ -806,6 +863,7 @@ def deepep_needs_model_parallel(cfg: RunConfig) -> str | None:
     p = cfg.parallel
     if _deepep(cfg) and p.etp * p.ep == 1:
         return f"dispatcher=flex_deepep needs parallel.etp*ep > 1 (got etp={p.etp}, ep={p.ep})"
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_pad_expert_input_to_capacity with the flex dispatcher's deepep backend")
@@ -815,6 +873,7 @@ def deepep_cannot_pad(cfg: RunConfig) -> str | None:
             "dispatcher.pad_to_capacity=true with dispatcher=flex_deepep: DeepEP does not pad expert inputs to "
             "capacity; use dispatcher=alltoall or allgather for drop-and-pad"
         )
+    return None
 
 
 @rule(Basis.MEGATRON, f"{TC}: moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity")
@@ -822,6 +881,7 @@ def pad_needs_capacity(cfg: RunConfig) -> str | None:
     d = cfg.dispatcher
     if d.pad_to_capacity and d.capacity_factor is None:
         return "dispatcher.pad_to_capacity=true needs dispatcher.capacity_factor"
+    return None
 
 
 # --- packed sequences --------------------------------------------------------------------------------------
@@ -834,6 +894,7 @@ def packing_excludes_cuda_graphs(cfg: RunConfig) -> str | None:
             f"data.packing=true with cuda_graph={cfg.cuda_graph.scope}: a graph replays the shapes it "
             "captured, and a packed micro-batch's length is its samples' real tokens, new every micro-batch"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -845,6 +906,7 @@ def packing_needs_unsharded_sequence(cfg: RunConfig) -> str | None:
             "the packed row back to its longest length, and CP needs per-shard padded cu_seqlens, which "
             "this worker does not build; use tp=1 (MoE with tp > 1 needs SP) and cp=1"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -859,6 +921,7 @@ def packing_on_local_specs_needs_unfused_softmax(cfg: RunConfig) -> str | None:
             "local attention keeps samples apart with a block-causal mask, and megatron's fused causal "
             "softmax (ScaledUpperTriangMaskedSoftmax) ignores the mask, so samples would attend to each other"
         )
+    return None
 
 
 @rule(Basis.RUNTIME)
@@ -868,3 +931,4 @@ def packing_needs_one_stage(cfg: RunConfig) -> str | None:
             f"data.packing=true with parallel.pp={cfg.parallel.pp}: the pipeline's send and receive buffers "
             "are shaped for seq_length x mbs, and a packed micro-batch's length changes every micro-batch"
         )
+    return None
