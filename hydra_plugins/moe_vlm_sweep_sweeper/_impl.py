@@ -28,6 +28,7 @@ import sqlalchemy.exc
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
+from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
@@ -94,6 +95,11 @@ def _key(override: str) -> str:
 
 
 class SweeperImpl(Sweeper):
+    # Hydra's base class declares these Optional until setup(), which sets all three before any other method runs.
+    config: DictConfig
+    hydra_context: HydraContext
+    launcher: Launcher
+
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
@@ -131,7 +137,7 @@ class SweeperImpl(Sweeper):
         apps get an in-memory study unless sweep.storage is set, like Hydra's own Optuna sweeper."""
         return Path(self.config.outputs_dir) / "sweeps" / name if self.project else None
 
-    def _open_tracker(self, name: str, url: str) -> Any:
+    def _open_tracker(self, name: str, url: str | None) -> Any:
         from moe_vlm_sweep.provenance import provenance_tags
         from moe_vlm_sweep.tracking import mlflow_sink
 
@@ -144,7 +150,7 @@ class SweeperImpl(Sweeper):
             artifact_root=mlflow_sink.default_artifact_root(self.config.outputs_dir),
             static_tags=provenance_tags(mlflow_sink.TAG),
         )
-        tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": url})
+        tracker.log_sweep(params={}, tags={"moe_vlm_sweep.optuna_storage": str(url)})
         return tracker
 
     def _lost_study(self, name: str) -> str | None:
@@ -271,6 +277,7 @@ class SweeperImpl(Sweeper):
             trial.set_user_attr("recipe", plan.recipe["fingerprint"])
             trial.set_user_attr("recipe_differs", plan.recipe["differs"])
         if self.tracker is not None:
+            assert plan is not None  # the tracker exists only in a project sweep, which validated the plan above
             tags = {
                 "moe_vlm_sweep.data_realism": plan.run_config.data.realism,
                 "moe_vlm_sweep.hardware": plan.run_config.hardware.name,
@@ -421,12 +428,13 @@ class SweeperImpl(Sweeper):
         """Mark the running trial interrupted and queue it again, close its MLflow run and the parent as KILLED,
         and say how to resume. Storage calls here may fail (the signal can come from a storage outage); what is
         left RUNNING is then recovered by the next run."""
-        trial, study = self.current, self.study
+        trial, study, spec = self.current, self.study, self.spec
         where = ""
         try:
             finished = trial is not None and ledger.finished_run(trial, Path(self.config.outputs_dir) / "runs")
-            if finished and study is not None:  # the worker wrote its result before the signal: keep it
-                self._tell(study, trial, outcome_of_result(finished, self.spec.objective))
+            # the worker wrote its result before the signal: keep it (a trial exists only once the spec is loaded)
+            if finished and trial is not None and study is not None and spec is not None:
+                self._tell(study, trial, outcome_of_result(finished, spec.objective))
                 where = f"; trial #{trial.number} had finished and is kept"
             elif trial is not None and study is not None:
                 self._tell(
@@ -577,7 +585,12 @@ class SweeperImpl(Sweeper):
         return self._finish(study, spec, sweep_dir, confirm=True)
 
     def _finish(
-        self, study: optuna.Study, spec: SweepConf, sweep_dir: Path, status: str = "FINISHED", confirm: bool = False
+        self,
+        study: optuna.Study,
+        spec: SweepConf,
+        sweep_dir: Path | None,
+        status: str = "FINISHED",
+        confirm: bool = False,
     ) -> Any:
         """The sweep's end (table, confirmation, export, report, MLflow close): ``export/finish.py``."""
 
