@@ -5,7 +5,7 @@ PY312 := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12
 	"$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$c"; break; }; done)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup postgres slurm demo test test-fast clean
+.PHONY: setup postgres slurm demo lint test test-fast clean
 
 setup: $(STAMP)
 
@@ -37,10 +37,16 @@ demo: $(STAMP)
 	$(VENV)/bin/moe-vlm-sweep run -m sweep=cpu_demo
 	@echo "Browse the trials: $(VENV)/bin/moe-vlm-sweep ui   (then open http://127.0.0.1:5000)"
 
-test: $(STAMP) postgres slurm
+# Lint, format check and type check (their settings are in pyproject.toml); the tests run only once these pass.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint postgres slurm
 	$(VENV)/bin/python -m pytest -q -ra
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(VENV)/bin/python -m pytest -q -ra -m 'not slow'
 
 clean:
