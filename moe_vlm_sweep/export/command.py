@@ -142,7 +142,8 @@ def main(argv: Sequence[str]) -> int:
     print(table([e.trial for e in exported], metrics, realism=realism))
     if mixed:
         print(mixed)
-    how = f", confirmed: median {held.median_values[0]:.4g} over {args.confirm} re-run(s)" if held else ""
+    held_median = held.median_values if held else None  # the held candidate succeeded every repeat: it has them
+    how = f", confirmed: median {held_median[0]:.4g} over {args.confirm} re-run(s)" if held_median else ""
     print(
         f"\nbest: trial #{exported[0].trial.number} (data realism {realism}{how})\n  {exported[0].command}\n"
         f"  files: {sweep_dir / 'best'}, {exports_dir(outputs) / 'experiment' / exported[0].experiment}.yaml"

@@ -88,7 +88,7 @@ class Candidate:
     @property
     def step_time_cv(self) -> float | None:
         """pstdev / mean of the successful repeats' median step times; None with fewer than two."""
-        times = [r.step_time_median_s for r in self.repeats if r.ok]
+        times = [t for r in self.repeats if r.ok and (t := r.step_time_median_s) is not None]
         return statistics.pstdev(times) / statistics.fmean(times) if len(times) >= 2 else None
 
     @property
@@ -115,11 +115,11 @@ class Confirmation:
     def winner(self) -> Candidate | None:
         """Best median of the first objective among candidates whose every repeat succeeded; ties keep the
         study's order. None until the confirmation is complete."""
-        held = [c for c in self.candidates if c.ok] if self.complete else []
+        held = [(m, c) for c in self.candidates if c.ok and (m := c.median_values) is not None] if self.complete else []
         if not held:
             return None
         sign = -1.0 if self.directions[0] == "maximize" else 1.0
-        return min(held, key=lambda c: (sign * c.median_values[0], c.rank))
+        return min(held, key=lambda mc: (sign * mc[0][0], mc[1].rank))[1]
 
     def to_dict(self) -> dict[str, Any]:
         winner = self.winner
@@ -189,7 +189,7 @@ def _repeat(result: RunResult, objective: ObjectiveConf, realism: str | None) ->
 
 def _line(index: int, repeats: int, candidate: Candidate, repeat: Repeat, reused: bool) -> str:
     if repeat.ok:
-        got = " ".join(f"{v:.4g}" for v in repeat.values)
+        got = " ".join(f"{v:.4g}" for v in repeat.values or [])
     else:
         last = repeat.reason.strip().splitlines()[-1][:160] if repeat.reason.strip() else ""
         got = repeat.status.upper() + (f" ({last})" if last else "")
@@ -269,10 +269,10 @@ def confirm(
                     stopped=budget.why_not(f"re-run {index} of trial #{number}", need, "the trial's own time")
                 )
             else:
-                plan, resolved_yaml = plans[number]
+                run_plan, resolved_yaml = plans[number]
                 run_dir = new_run_dir(sweep_dir / "confirm", prefix=f"t{number}-r{index}")
-                prepare(run_dir, plan, resolved_yaml)
-                repeat = _repeat(launch(plan, run_dir), objective, realism)
+                prepare(run_dir, run_plan, resolved_yaml)
+                repeat = _repeat(launch(run_plan, run_dir), objective, realism)
             candidate.repeats.append(repeat)
             if progress is not None:
                 progress(_line(index, repeats, candidate, repeat, reused is not None))
@@ -306,7 +306,7 @@ def table(confirmation: Confirmation) -> str:
             [
                 f"#{c.trial.number}",
                 fmt(c.trial.values[0]),
-                ", ".join(fmt(r.values[0]) if r.ok else r.status.upper() for r in c.repeats),
+                ", ".join(fmt(r.values[0]) if r.ok and r.values else r.status.upper() for r in c.repeats),
                 fmt(median[0] if median else None),
                 "-" if cv is None else f"{cv:.2%}" + ("" if cv <= CV_TARGET else " (over target)"),
                 "<- holds" if c is winner else "",

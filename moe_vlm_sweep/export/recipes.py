@@ -32,8 +32,9 @@ def fingerprints(study: optuna.Study) -> list[str]:
     """The study's recipes in the order their first trial was asked."""
     seen: list[str] = []
     for trial in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
-        if recipe_of(trial) is not None and recipe_of(trial) not in seen:
-            seen.append(recipe_of(trial))
+        recipe = recipe_of(trial)
+        if recipe is not None and recipe not in seen:
+            seen.append(recipe)
     return seen
 
 
@@ -75,7 +76,7 @@ def others(study: optuna.Study, recipe: str | None) -> list[OtherRecipe]:
     if recipe is None:
         return []
     trials = study.get_trials(deepcopy=False)
-    base = next((t.user_attrs.get("recipe_differs", {}) for t in trials if recipe_of(t) == recipe), {})
+    base: dict[str, Any] = next((t.user_attrs.get("recipe_differs", {}) for t in trials if recipe_of(t) == recipe), {})
     found = []
     for fingerprint in fingerprints(study):
         if fingerprint == recipe:

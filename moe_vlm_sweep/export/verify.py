@@ -85,6 +85,7 @@ class Verdict:
     def summary(self) -> str:
         if self.status == "error":
             return f"verify: ERROR: {self.reason}"
+        assert self.worst_step is not None  # every verdict but an error has compared the curves
         ref, cand = self.recipes.get("reference", {}), self.recipes.get("candidate", {})
         lines = [
             f"verify: {self.status.upper()}: largest loss deviation {self.max_deviation:.3g} at step "

@@ -122,6 +122,7 @@ class SweepTracker:
             with contextlib.suppress(MlflowException):  # another worker may create it first
                 self.client.create_experiment(name, artifact_location=artifact_root)
             found = self.client.get_experiment_by_name(name)
+            assert found is not None  # created just now, by this process or another
         if EXPERIMENT_KIND not in found.tags:  # the UI then opens on runs and charts, not its GenAI view
             self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
         return found.experiment_id
@@ -182,13 +183,13 @@ class SweepTracker:
         tags: Mapping[str, str] = {},
         metrics: Iterable[Metric] = (),
     ) -> None:
-        params = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        tags = [RunTag(k, str(v)[:8000]) for k, v in tags.items()]
-        metrics = list(metrics)
-        for i in range(0, max(len(params), len(tags), 1), _BATCH):
-            self.client.log_batch(run_id, params=params[i : i + _BATCH], tags=tags[i : i + _BATCH])
-        for i in range(0, len(metrics), 1000):
-            self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
+        param_list = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        tag_list = [RunTag(k, str(v)[:8000]) for k, v in tags.items()]
+        metric_list = list(metrics)
+        for i in range(0, max(len(param_list), len(tag_list), 1), _BATCH):
+            self.client.log_batch(run_id, params=param_list[i : i + _BATCH], tags=tag_list[i : i + _BATCH])
+        for i in range(0, len(metric_list), 1000):
+            self.client.log_batch(run_id, metrics=metric_list[i : i + 1000])
 
     def log_sweep_files(self, folder: Path, artifact_path: str) -> None:
         """A folder's files (the report) as artifacts of the parent run."""
