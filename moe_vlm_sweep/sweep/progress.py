@@ -39,7 +39,8 @@ class StepTail:
 
     def __init__(self, runs_dir: Path, number: int, interval_s: float = 2.0):
         self.runs_dir, self.number, self.interval_s = runs_dir, number, interval_s
-        self.began, self.offset, self.log = time.time() - 1, 0, None
+        self.began, self.offset = time.time() - 1, 0
+        self.log: Path | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name=f"steps-{number}", daemon=True)
 

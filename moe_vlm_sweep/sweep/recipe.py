@@ -46,6 +46,7 @@ def _option(conf_dir: Path, group: str, choice: Any) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    assert isinstance(raw, dict)  # a config group option is a mapping
     raw.pop("defaults", None)
     flat: dict[str, Any] = {}
 
@@ -79,7 +80,7 @@ def _field_changes(param: Param) -> set[str]:
     if param.key.startswith("cuda_graph."):
         field = param.key.split(".", 1)[1]
         # graphed modules matter only with graphs on: a space searching them captures (TE's graphs by default)
-        graphs_on = {"impl": "transformer_engine"} if field == "modules" else {}
+        graphs_on: dict[str, Any] = {"impl": "transformer_engine"} if field == "modules" else {}
         try:
             needs = {needs_drop_and_pad(CudaGraphConf(**graphs_on, **{field: _value(c)})) for c in param.choices}
         except (TypeError, ValueError):

@@ -135,7 +135,9 @@ _FIELDS = {"categorical": ("choices",), "int": ("low", "high", "step", "log"), "
 
 
 def parse_param(key: str, raw: Any, earlier: Sequence[str]) -> Param:
-    spec = {"type": "categorical", "choices": list(raw)} if isinstance(raw, (list, tuple)) else dict(raw or {})
+    spec: dict[str, Any] = (
+        {"type": "categorical", "choices": list(raw)} if isinstance(raw, (list, tuple)) else dict(raw or {})
+    )
     kind = spec.pop("type", None)
     when = tuple(_condition(key, k, v, earlier) for k, v in dict(spec.pop("when", None) or {}).items())
     allowed = _FIELDS.get(kind)
@@ -227,7 +229,7 @@ class Space:
             if param.key not in point:
                 continue
             for value in param.alternatives(point[param.key]):
-                moved, kept = {**point, param.key: value}, {}
+                moved, kept = {**point, param.key: value}, dict[str, Any]()
                 for p in self.params:
                     if p.key in moved and all(c.holds(kept) for c in p.when):
                         kept[p.key] = moved[p.key]

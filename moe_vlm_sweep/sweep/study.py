@@ -163,9 +163,9 @@ def open_storage(url: str) -> RDBStorage:
             # Workers started together on a fresh database race to create its tables; the loser retries and
             # then finds them (Optuna creates them in one transaction, so a retry sees all or none). A damaged
             # or read-only file is not a race: it is said at once.
-            problem = storage_problem(exc, url)
-            if attempt == 9 or any(word in str(problem) for word in ("damaged", "read-only")):
-                raise problem from None
+            error = storage_problem(exc, url)
+            if attempt == 9 or any(word in str(error) for word in ("damaged", "read-only")):
+                raise error from None
             time.sleep(1.0 + attempt)
         except optuna.exceptions.StorageInternalError as exc:
             raise storage_problem(exc.__cause__ or exc, url) from None
@@ -261,7 +261,7 @@ def open_study(
         return optuna.create_study(
             study_name=name,
             storage=storage,
-            directions=directions,
+            directions=[optuna.study.StudyDirection[d.upper()] for d in directions],
             sampler=sampler(spec, spec.seed),
             load_if_exists=True,
         )
