@@ -42,7 +42,7 @@ def from_dict[T](cls: type[T], data: Any, *, error: type[Exception] = DecodeErro
 
 def _decode(hint: Any, value: Any, where: str, path: str, error: type[Exception]) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _decode_dataclass(hint, value, where, path, error)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

@@ -54,7 +54,7 @@ def exports_dir(outputs_dir: str | Path) -> Path:
 def _outputs_dir(parsed: Sequence[Override]) -> str:
     given = [o.value() for o in parsed if o.key_or_group == "outputs_dir" and not o.is_delete()]
     default = next(f.default for f in dataclasses.fields(RunConfig) if f.name == "outputs_dir")
-    return str(given[-1]) if given else default
+    return str(given[-1] if given else default)
 
 
 def _quoted(entry: str) -> str:
@@ -71,7 +71,7 @@ def add_searchpath(args: Sequence[str], entries: Sequence[str]) -> list[str]:
     arguments that are not overrides stay as they are."""
     parsed = OverridesParser.create().parse_overrides([a for a in args if _is_override(a)])
     current = [o for o in parsed if o.key_or_group == SEARCHPATH]
-    given = list(current[-1].value()) if current else []
+    given = list(typing.cast("list[str]", current[-1].value())) if current else []  # the searchpath is a list
     merged = [*given, *(e for e in entries if e not in given)]
     if merged == given:
         return list(args)
@@ -114,7 +114,9 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
     Keys that ``+key=value`` slipped past Hydra's struct mode are rejected here.
     """
-    unknown = _unknown_keys(RunConfig, OmegaConf.to_container(cfg, resolve=False))
+    data = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(data, dict)  # a DictConfig's container
+    unknown = _unknown_keys(RunConfig, data)
     if unknown:
         raise CompositionError(
             f"unknown config key(s): {', '.join(unknown)} (see {CONF_DIR} and "

@@ -239,8 +239,9 @@ def model_defaults(model_name: str) -> RunConfig:
     if not path.is_file():
         return RunConfig()
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert isinstance(raw, dict)  # a config group option is a mapping
     raw.pop("defaults", None)
-    return RunConfig(model=from_dict(ModelConf, raw))
+    return RunConfig(model=from_dict(ModelConf, typing.cast("dict[str, Any]", raw)))  # YAML keys are str
 
 
 def summary(cfg: RunConfig) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import platform
 import re
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def cache_key(hardware: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", "-".join(parts))
 
 
-def cache_env(outputs_dir: str | Path, hardware: str, inherited: dict[str, str]) -> dict[str, str]:
+def cache_env(outputs_dir: str | Path, hardware: str, inherited: Mapping[str, str]) -> dict[str, str]:
     """The cache variables a run gets (absolute paths: a trial may run in another working directory)."""
     root = Path(outputs_dir).resolve() / "compile_cache" / cache_key(hardware)
     dirs = {env: inherited.get(env) or str(root / sub) for env, sub in CACHE_ENVS.items()}

@@ -104,7 +104,9 @@ class _HostedTrial:
     """The worker forked by a warm trial host; if the host dies, the trial's group is ended and it is a crash."""
 
     def __init__(self, host: warm_host.WarmHost, run_dir: Path, env: dict[str, str], nproc: int):
-        self.host, self.gone, self.returncode = host, None, None
+        self.host = host
+        self.gone: str | None = None
+        self.returncode: int | None = None
         self.pid = host.start(argv=[WORKER_MODULE, str(run_dir)], env=env, log_path=run_dir / WORKER_LOG, nproc=nproc)
 
     def wait(self, timeout: float | None) -> int | None:
@@ -229,8 +231,8 @@ def launch(
     timeout_s = plan.run_config.train.timeout_s
     env = trial_env(plan)
     start = time.monotonic()
-    trial = _hosted(plan, run_dir, env) if warm else None
-    trial = trial or _FreshTrial(worker_command(plan, run_dir), env, run_dir / WORKER_LOG)
+    hosted = _hosted(plan, run_dir, env) if warm else None
+    trial = hosted or _FreshTrial(worker_command(plan, run_dir), env, run_dir / WORKER_LOG)
     returncode, timed_out, stopped = None, False, None
     try:
         while True:
@@ -247,7 +249,9 @@ def launch(
         ended = _kill_group(trial)
         returncode = returncode if returncode is not None else ended
     result = classify(run_dir, returncode, timed_out, timeout_s, stopped, getattr(trial, "gone", None))
-    if result.status == RunStatus.CRASH:  # Slurm's SIGTERM may have ended the worker: the job's state tells, not this run
+    if (
+        result.status == RunStatus.CRASH
+    ):  # Slurm's SIGTERM may have ended the worker: the job's state tells, not this run
         slurm.await_slurm_end(terminated=returncode == -signal.SIGTERM)
     result.run_dir, result.wall_s = str(run_dir), time.monotonic() - start
     result.write(run_dir)

@@ -199,7 +199,7 @@ def serve(preload: list[str], main: Callable[[list[str]], int]) -> int:
     )
     if cuda_initialized:
         return 1
-    buffer, children = b"", set()
+    buffer, children = b"", set[int]()
     while True:
         readable, _, _ = select.select([proto_in], [], [], 0.05 if children else WATCH_S)
         for pid in list(children):
@@ -240,6 +240,8 @@ class WarmHost:
             self.proc = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=host_log, env=env, start_new_session=True
             )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes (above)
+        self._requests, self._replies = self.proc.stdin, self.proc.stdout
         self._buffer = b""
         try:
             ready = self._next(READY_TIMEOUT_S)
@@ -262,10 +264,10 @@ class WarmHost:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            readable, _, _ = select.select([self.proc.stdout], [], [], left)
+            readable, _, _ = select.select([self._replies], [], [], left)
             if not readable:
                 return None
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            chunk = os.read(self._replies.fileno(), 65536)
             if not chunk:
                 raise HostGone(f"the warm trial host exited (status {self.proc.poll()}); see {self.log_path}")
             self._buffer += chunk
@@ -280,8 +282,8 @@ class WarmHost:
         """Fork a trial; returns its pid (also its process group, made by setsid)."""
         request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path.resolve()), "nproc": nproc}
         try:
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
+            self._requests.write((json.dumps(request) + "\n").encode())
+            self._requests.flush()
         except (BrokenPipeError, OSError) as exc:
             raise HostGone(f"the warm trial host is gone ({exc}); see {self.log_path}") from exc
         try:
@@ -312,7 +314,7 @@ class WarmHost:
     def close(self) -> None:
         """Close the pipe (the host exits on its own), then make sure."""
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+            self._requests.close()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
