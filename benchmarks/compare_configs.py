@@ -68,6 +68,7 @@ def run_one(name: str, overrides: list[str], outputs: Path) -> dict:
     }
     if result.ok:
         m = result.metrics
+        assert m is not None  # an ok run has its metrics
         row.update(
             step_time_s=to_dict(m.step_time_s),
             effective_tokens_per_s_per_gpu=m.effective_tokens_per_s_per_gpu,
@@ -95,6 +96,7 @@ def table(rows: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(" | ".join([r["config"], r["status"]] + ["-"] * (len(COLUMNS) - 2)))
             continue
+        assert base is not None  # this row is ok, so there is a first ok row
         st = r["step_time_s"]
         ratio = r["effective_tokens_per_s_per_gpu"] / base["effective_tokens_per_s_per_gpu"]
         lines.append(

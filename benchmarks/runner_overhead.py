@@ -149,6 +149,7 @@ def _worker(plan: RunPlan, outputs: Path, name: str) -> dict:
             "run_dir": str(run_dir),
             "log_tail": (run_dir / "worker.log").read_text(errors="replace")[-3000:],
         }
+    assert result.metrics is not None  # an ok run has its metrics
     st = result.metrics.step_time_s
     return {
         "status": "ok",

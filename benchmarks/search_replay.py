@@ -35,7 +35,7 @@ from typing import Any
 
 import optuna
 from compare_configs import git_commit
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
 from moe_vlm_sweep.config.compose import CONF_DIR
@@ -54,6 +54,7 @@ SAMPLERS = ("tpe", "random", "gp", "grid", "sweeper")
 
 def load_space(name: str) -> tuple[SweepConf, Space]:
     node = OmegaConf.load(CONF_DIR / "sweep" / f"{name}.yaml")
+    assert isinstance(node, DictConfig)  # a sweep space is a mapping
     node.pop("defaults", None)
     spec = load_spec(node)
     return spec, Space.parse(spec.params)
@@ -98,7 +99,7 @@ def measure(args: argparse.Namespace) -> int:
         run_dir = new_run_dir(outputs, prefix="grid")
         prepare(run_dir, plan, resolved_yaml)
         result = launch(plan, run_dir, warm=True)
-        value = metric_value(result.metrics, spec.objective.metric) if result.ok else None
+        value = metric_value(result.metrics, spec.objective.metric) if result.ok and result.metrics else None
         rows.append(
             row | {"status": result.status, "reason": result.reason[-200:], "wall_s": result.wall_s, "value": value}
         )

@@ -144,6 +144,7 @@ def run_one(mode: Mode, name: str, overrides: list[str], outputs: Path) -> dict:
         "run_dir": str(run_dir),
     }
     if result.ok:
+        assert result.metrics is not None  # an ok run has its metrics
         split = phases(result.metrics, result.wall_s)
         steps = result.metrics.step_time_s
         row |= {
