@@ -37,9 +37,15 @@ def make_source(
     if data.name == "webdataset":  # imported here: only this source needs the webdataset package
         from moe_vlm_sweep.data.webdataset_shards import WebDatasetShards
 
-        source = WebDatasetShards(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        source: BatchSource = WebDatasetShards(
+            model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
+        )
     else:
-        cls = {"synthetic_images": SyntheticImages, "mock_text": MockText}[data.name]
+        sources: dict[str, type[SyntheticImages | MockText]] = {
+            "synthetic_images": SyntheticImages,
+            "mock_text": MockText,
+        }
+        cls = sources[data.name]
         source = cls(model, data, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     if data.realism != source.realism:
         raise ConfigFieldError(

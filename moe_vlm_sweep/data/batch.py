@@ -54,8 +54,10 @@ class MicroBatch:
         """[1, 1, T, T] bool, True where a packed row's query may not see the key: another sample's, or a later
         one. What megatron's local attention (no THD) needs to keep samples apart; RoPE is relative, so scores
         within a sample do not depend on where the sample starts."""
+        cu_seqlens = self.cu_seqlens
+        assert cu_seqlens is not None  # asked of packed rows only
         sample = torch.repeat_interleave(
-            torch.arange(len(self.cu_seqlens) - 1, device=self.cu_seqlens.device), torch.diff(self.cu_seqlens)
+            torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), torch.diff(cu_seqlens)
         )
         position = torch.arange(len(sample), device=sample.device)
         visible = (sample[:, None] == sample[None, :]) & (position[None, :] <= position[:, None])

@@ -134,7 +134,7 @@ def _dense_copy(base: TransformerConfig, **fields: Any) -> TransformerConfig:
     )
     # bias_activation_fusion: megatron's fused GELU is the tanh approximation, so fusing it would change the
     # model; the ViT and projector keep exact GELU whatever the decoder's SwiGLU does
-    no_extras = dict(
+    no_extras: dict[str, Any] = dict(
         recompute_granularity=None,
         recompute_method=None,
         recompute_num_layers=None,

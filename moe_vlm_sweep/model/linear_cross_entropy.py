@@ -20,7 +20,7 @@ LLaVA does not pass, so a forward pre-hook on the language model adds it (``inst
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from moe_vlm_sweep.plan.memory import linear_ce_chunk_tokens
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 
 def _gpu_kernels(hidden: torch.Tensor):
@@ -145,7 +148,7 @@ def linear_cross_entropy(
 def _output_processor(
     *,
     hidden_states: torch.Tensor,
-    output_layer: torch.nn.Module,
+    output_layer: ColumnParallelLinear,
     output_weight: torch.Tensor | None,
     labels: torch.Tensor | None,
     runtime_gather_output: bool | None = None,

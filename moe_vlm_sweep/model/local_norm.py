@@ -27,4 +27,4 @@ def use_torch_norm_in_clip() -> None:
         original(self, *args, **kwargs)
 
     init._torch_norm = True  # type: ignore[attr-defined]
-    CLIPViTModel.__init__ = init  # type: ignore[method-assign]
+    CLIPViTModel.__init__ = init

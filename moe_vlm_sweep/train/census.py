@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 import sys
+import types
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -36,8 +38,8 @@ the loss; ``other`` is the glue between modules (LLaVA's merge of image and text
 
 
 def _named_parts(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    lm = chunk.language_model
-    parts = [("vision_encoder", chunk.vision_model), ("projector", chunk.vision_projection)]
+    lm: Any = chunk.language_model  # megatron's GPTModel
+    parts: list[tuple[str, Any]] = [("vision_encoder", chunk.vision_model), ("projector", chunk.vision_projection)]
     if lm is not None:
         # The language model's own saves, outside its submodules, are the loss's (after the output layer)
         parts += [
@@ -56,7 +58,7 @@ _LIBRARIES = ("megatron", "transformer_engine", "moe_vlm_sweep")
 
 def _saving_line() -> str:
     """The innermost model-library frame that saved the tensor (the op inside torch says less)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if any(lib in name for lib in _LIBRARIES) and not name.endswith("census.py"):
@@ -149,6 +151,7 @@ class SavedTensorCensus:
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._hooks is not None  # entered in __enter__, which exits through here on its own failure
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()

@@ -129,7 +129,7 @@ class ContentionProbe:
             if pid in self.own:
                 continue
             known = self.seen.get(pid)
-            held = max((m for m in (mib, known and known.gpu_memory_mib) if m is not None), default=None)
+            held = max((m for m in (mib, known.gpu_memory_mib if known else None) if m is not None), default=None)
             self.seen[pid] = OtherProcess(pid=pid, name=name, where=f"gpu {self.gpu_uuid}", gpu_memory_mib=held)
 
     def start(self) -> None:

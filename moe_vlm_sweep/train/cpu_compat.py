@@ -218,7 +218,7 @@ def _stub_paged_stash_kernels() -> None:
         import triton  # noqa: F401
     except ImportError:
         stub = types.ModuleType("megatron.core.transformer.moe.ops.paged_stash")
-        stub.GLOBAL_BLOCK_SIZE, stub.paged_stash_copy_kernel, stub.paged_stash_pop_kernel = 1024, None, None
+        vars(stub).update(GLOBAL_BLOCK_SIZE=1024, paged_stash_copy_kernel=None, paged_stash_pop_kernel=None)
         sys.modules[stub.__name__] = stub
 
 
@@ -232,7 +232,7 @@ def apply() -> None:
     for name in _CUDA_AS_DEVICE_MODULES:
         module = importlib.import_module(name)
         if getattr(module, "torch", None) is torch:
-            module.torch = cpu_torch
+            vars(module)["torch"] = cpu_torch
 
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer

@@ -28,6 +28,8 @@ def language_models(chunks: Iterable[torch.nn.Module]) -> list:
 class LLaVADecoderGraphs(TECudaGraphHelper):
     """``TECudaGraphHelper`` that finds the decoder layers of LLaVA chunks (``chunk.language_model.decoder``)."""
 
+    model: list[torch.nn.Module]
+
     def _discover_layers(self) -> None:
         wrapped = self.model
         # A chunk without a language model is handed over as itself: the helper finds no decoder, graphs nothing.

@@ -34,7 +34,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from moe_vlm_sweep.config.schema import ParallelConf
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
@@ -103,7 +103,7 @@ def training_stream(plan: RunPlan) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def wrap_for_training(plan: RunPlan, chunks: list[torch.nn.Module]):
+def wrap_for_training(plan: RunPlan, chunks: list[MegatronModule]):
     """Data-parallel wrapping (Megatron DDP or Megatron-FSDP) and the distributed Megatron optimizer."""
     cfg = plan.run_config
     config = chunks[0].config
@@ -207,7 +207,7 @@ def _forward_step(plan: RunPlan, data_iterator, model):
 
 
 class Trainer:
-    def __init__(self, plan: RunPlan, chunks: list[torch.nn.Module], source: BatchSource):
+    def __init__(self, plan: RunPlan, chunks: list[MegatronModule], source: BatchSource):
         self.plan, self.chunks, self.source = plan, chunks, source
         self.cfg = plan.run_config
         self.models, self.optimizer = wrap_for_training(plan, chunks)

@@ -85,7 +85,7 @@ def preflight(plan: RunPlan) -> None:
         )
     if plan.device == "cpu" and cfg.cuda_graph.impl != "none":
         problems.append(f"cuda_graph.impl={cfg.cuda_graph.impl!r} needs a CUDA GPU; hardware.device is 'cpu'")
-    needs = []
+    needs: list[tuple[str, str, str | None]] = []
     if plan.transformer_impl == "transformer_engine":
         needs.append((f"train.transformer_impl={plan.transformer_impl!r}", "transformer_engine", None))
     if plan.fusions["gradient_accumulation"] and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
@@ -191,6 +191,7 @@ def measure_peak_tflops(plan: RunPlan) -> tuple[float, str]:
     precision (the best, because a peak is what the core can do when nothing else competes for it)."""
     hw = plan.run_config.hardware
     if plan.device == "cuda":
+        assert hw.peak_bf16_tflops is not None  # required of GPU hardware (HardwareConf)
         return float(hw.peak_bf16_tflops), "datasheet"
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
     n = 512
@@ -396,7 +397,8 @@ class _StartupClock:
     ``startup.wrap`` (DDP or FSDP and the optimizer). A trial's wall time beyond its steps is here."""
 
     def __init__(self) -> None:
-        self.last, self.seconds = psutil.Process().create_time(), {}
+        self.last = psutil.Process().create_time()
+        self.seconds: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:
         now = time.time()
@@ -480,7 +482,7 @@ def skip_jax() -> None:
     """TE's package init imports ``transformer_engine.jax`` whenever jax is installed, and only warns when that
     extension is missing: 1.0 s of every trial's imports on the H200 image (``-X importtime``; the wall-time gain
     is inside the import chain's noise, benchmarks/results/h200_imports/). This worker is PyTorch only."""
-    sys.modules.setdefault("jax", None)
+    sys.modules.setdefault("jax", None)  # type: ignore[arg-type]  # None blocks an import; typeshed omits it
 
 
 PRELOAD = (
