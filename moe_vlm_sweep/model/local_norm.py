@@ -26,5 +26,5 @@ def use_torch_norm_in_clip() -> None:
         kwargs.setdefault("ln_post_impl", WrappedTorchNorm)
         original(self, *args, **kwargs)
 
-    init._torch_norm = True  # type: ignore[attr-defined]
+    vars(init)["_torch_norm"] = True  # a mark on the patched function (idempotence)
     CLIPViTModel.__init__ = init
