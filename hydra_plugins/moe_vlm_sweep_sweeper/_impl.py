@@ -221,6 +221,15 @@ class SweeperImpl(Sweeper):
                     f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once",
                     flush=True,
                 )
+        for trial in ledger.unqueued_unclaimed(study.get_trials(deepcopy=False)):
+            # Stopped before it claimed its enqueued params: nothing ran, so they are queued again for a new trial.
+            carried = {k: trial.user_attrs[k] for k in ("retry_of", "proposed_as") if k in trial.user_attrs}
+            study.enqueue_trial(
+                trial.system_attrs["fixed_params"],
+                user_attrs={**carried, "requeue_of": trial.number},
+                skip_if_exists=False,
+            )
+            print(f"resume: trial #{trial.number} was stopped before it claimed its config; re-queued", flush=True)
         if self.tracker is not None:
             finished = study.get_trials(deepcopy=False, states=ledger.FINISHED)
             interrupted = {k for k in study.user_attrs if k.startswith("interrupted.")}
