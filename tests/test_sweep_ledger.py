@@ -230,3 +230,28 @@ def test_resume_requeues_the_enqueued_params_of_a_trial_stopped_before_its_claim
         ({"retry_of": 7, "requeue_of": first.number}, {"x": 2})
     ]
     assert ledger.counted(study.get_trials()) == []
+
+
+def test_a_trial_another_host_failed_first_is_not_told_again(tmp_path, caplog):
+    """The heartbeat's claim was lost and another host's resume failed the trial: the sweep logs it, goes on."""
+    from hydra_plugins.moe_vlm_sweep_sweeper._impl import Outcome, SweeperImpl
+
+    url = f"sqlite:///{tmp_path / 'lost.db'}"
+    study = optuna.create_study(storage=url, study_name="lost", direction="maximize")
+    trial = study.ask()
+    other_host = (
+        "import optuna; optuna.load_study(study_name='lost', storage=%r).tell(0, state=optuna.trial.TrialState.FAIL)"
+    )
+    subprocess.run([sys.executable, "-c", other_host % url], check=True, timeout=120)
+    sweeper = SweeperImpl.__new__(SweeperImpl)  # the tell alone: no app, no launcher, no MLflow
+    sweeper.project, sweeper.tracker = False, None
+    lost = Outcome(state="fail", failure_class="interrupted", reason="trial #0 lost its claim")
+    with caplog.at_level(logging.WARNING):
+        sweeper._tell_unless_finished(study, trial, lost)
+    assert "already FAIL by another host" in caplog.text
+    assert study.get_trials()[0].state == TrialState.FAIL
+
+    study.enqueue_trial({})  # any other refusal is still raised: here telling a trial not yet asked
+    waiting = optuna.trial.Trial(study, study.get_trials(states=(TrialState.WAITING,))[0]._trial_id)
+    with pytest.raises(ValueError, match="WAITING"):
+        sweeper._tell_unless_finished(study, waiting, lost)
