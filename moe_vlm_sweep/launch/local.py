@@ -247,7 +247,9 @@ def launch(
         ended = _kill_group(trial)
         returncode = returncode if returncode is not None else ended
     result = classify(run_dir, returncode, timed_out, timeout_s, stopped, getattr(trial, "gone", None))
-    if result.status == RunStatus.CRASH:  # Slurm's SIGTERM may have ended the worker: the job's state tells, not this run
+    if (
+        result.status == RunStatus.CRASH
+    ):  # Slurm's SIGTERM may have ended the worker: the job's state tells, not this run
         slurm.await_slurm_end(terminated=returncode == -signal.SIGTERM)
     result.run_dir, result.wall_s = str(run_dir), time.monotonic() - start
     result.write(run_dir)
