@@ -49,6 +49,15 @@ def git_commit() -> str:
     return os.environ.get("GIT_COMMIT") or provenance.git_commit() or "unknown"
 
 
+def write_result(path: Path, data: dict, *, complete: bool) -> None:
+    """``data`` as the JSON at ``path``, with ``complete``. The scripts rewrite it after every run, so a call cut off
+    by a time limit keeps what it measured (``"complete": false``); written beside and renamed, so a kill while
+    writing leaves the previous file whole. A file without ``complete`` (older than the key) is complete."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps({**data, "complete": complete}, indent=2) + "\n")
+    os.replace(part, path)
+
+
 def run_one(name: str, overrides: list[str], outputs: Path) -> dict:
     try:
         plan = make_plan(compose_run_config([*overrides, f"outputs_dir={outputs}"]), overrides)
@@ -157,18 +166,16 @@ def main() -> int:
         name, _, overrides = spec.partition("=")
         rows.append(run_one(name, [*common, *shlex.split(overrides)], Path(args.outputs)))
         print(f"{name}: {rows[-1]['status']} {rows[-1].get('reason', '')}", flush=True)
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "command": shlex.join(["python", *sys.argv]),
-                    "git_commit": git_commit(),
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "table": table(rows),
-                    "runs": rows,
-                },
-                indent=2,
-            )
-            + "\n"
+        write_result(
+            Path(args.out),
+            {
+                "command": shlex.join(["python", *sys.argv]),
+                "git_commit": git_commit(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "table": table(rows),
+                "runs": rows,
+            },
+            complete=len(rows) == len(args.config),
         )
     print(table(rows))
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -37,7 +37,6 @@ step), ``rope`` (TE's fused rotary embedding, a CUDA kernel built with TE) and `
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -48,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from compare_configs import git_commit
+from compare_configs import git_commit, write_result
 
 from moe_vlm_sweep.launch import warm_host
 from moe_vlm_sweep.launch.local import launch
@@ -255,6 +254,28 @@ def summary_lines(summary: dict, mode_names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def write(out: Path, head: dict, rows: list[dict], probes: list[dict], mode_names: list[str], complete: bool) -> str:
+    """The JSON at ``out`` with the trials so far and the summary of what finished (``write_result``: rewritten
+    after every trial, ``complete`` once all ran); returns the table and summary as printed."""
+    host_imports = next((h.imports_s for h in warm_host._hosts.values()), None)
+    # A host that could not start (a CUDA context after its imports, say) leaves the warm trials fresh: say so.
+    summary = summarize(rows, mode_names) | {
+        "host_imports_s": host_imports,
+        "host_start_failed": list(warm_host._failed_starts.values()),
+        "fusions": fusion_verdicts(probes),
+    }
+    text = table(rows + probes) + "\n\n" + summary_lines(summary, mode_names)
+    data = head | {
+        "fusion_probes": FUSION_PROBES if probes else {},
+        "summary": summary,
+        "table": text,
+        "rows": rows,
+        "probes": probes,
+    }
+    write_result(out, data, complete=complete)
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="cpu", help="cpu, or a GPU hardware group (h100, h200, ...)")
@@ -284,49 +305,33 @@ def main() -> int:
     warm_now = {"default": SweepConf().warm_host, "on": True, "off": False}[args.warm_host]
     before, now = modes(args.hardware, warm_now)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="trial_cost-"))
-    rows = []
+    mode_names = [before.name, now.name]
+    head = {
+        "question": "Where does a trial's wall go, the way sweeps ran trials before against the way they run them now?",
+        "command": shlex.join(["python", *sys.argv]),
+        "git_commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "common": common,
+        "configs": configs,
+        "modes": {m.name: {"warm": m.warm, "extra": m.extra} for m in (before, now)},
+    }
+    rows: list[dict] = []
+    probes: list[dict] = []
     for _ in range(args.repeats):
         for name, extra in configs.items():
             for mode in (before, now):
                 rows.append(row := run_one(mode, name, shlex.split(f"{common} {extra}"), root / mode.name))
                 print(f"{name} {mode.name}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
-    probes = []
+                write(Path(args.out), head, rows, probes, mode_names, complete=False)
     if not on_cpu and not args.no_fusion_probes:
         shape = next(iter(configs.values()))
         for name, extra in FUSION_PROBES.items():
             probes.append(row := run_one(now, name, shlex.split(f"{common} {shape} {extra}"), root / now.name))
             print(f"{name} {now.name}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
-    host_imports = next((h.imports_s for h in warm_host._hosts.values()), None)
+            write(Path(args.out), head, rows, probes, mode_names, complete=False)
+    text = write(Path(args.out), head, rows, probes, mode_names, complete=True)
     warm_host.close_hosts()
-    # A host that could not start (a CUDA context after its imports, say) leaves the warm trials fresh: say so.
-    summary = summarize(rows, [before.name, now.name]) | {
-        "host_imports_s": host_imports,
-        "host_start_failed": list(warm_host._failed_starts.values()),
-        "fusions": fusion_verdicts(probes),
-    }
-    text = table(rows + probes) + "\n\n" + summary_lines(summary, [before.name, now.name])
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "question": "Where does a trial's wall go, the way sweeps ran trials before against the way they run "
-                "them now?",
-                "command": shlex.join(["python", *sys.argv]),
-                "git_commit": git_commit(),
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
-                "common": common,
-                "configs": configs,
-                "modes": {m.name: {"warm": m.warm, "extra": m.extra} for m in (before, now)},
-                "fusion_probes": FUSION_PROBES if probes else {},
-                "summary": summary,
-                "table": text,
-                "rows": rows,
-                "probes": probes,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
     print(text)
     return 0 if all(r["status"] == "ok" for r in rows + probes) else 1
 

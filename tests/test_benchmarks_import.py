@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,45 @@ def test_compare_configs_runs_a_tiny_config_and_writes_its_table(tmp_path):
     (row,) = result["runs"]
     assert row["status"] == "ok" and row["graphed_layers"] == 0 and row["loss"]["values"][-1] > 0
     assert result["table"].splitlines()[2].startswith("mbs1 | ok | ")
+    assert result["complete"] is True
+
+
+def test_a_result_is_rewritten_whole_and_says_whether_it_is_complete(tmp_path):
+    """The write every benchmark makes after each run: read back as written, the old file replaced in one step."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from compare_configs import write_result
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    out = tmp_path / "r.json"
+    write_result(out, {"runs": [{"config": "a"}]}, complete=False)
+    assert json.loads(out.read_text()) == {"runs": [{"config": "a"}], "complete": False}
+    write_result(out, {"runs": [{"config": "a"}, {"config": "b"}]}, complete=True)
+    assert json.loads(out.read_text()) == {"runs": [{"config": "a"}, {"config": "b"}], "complete": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.slow
+def test_trial_cost_writes_each_trial_as_it_finishes(tmp_path):
+    """A run cut off by a time limit keeps its trials: the JSON holds the first trial while the second runs, and
+    the last write says the run is complete."""
+    out = tmp_path / "cost.json"
+    command = [sys.executable, "trial_cost.py", "--hardware", "cpu", "--config", "a=batch.mbs=1", "--repeats", "1"]
+    command += ["--workdir", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.Popen(command, cwd=BENCHMARKS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        partial = json.loads(out.read_text())
+        assert proc.poll() is None, "the first trial's JSON came only at the end"
+        assert partial["complete"] is False
+        assert [(r["config"], r["mode"], r["status"]) for r in partial["rows"]] == [("a", "before", "ok")]
+        assert partial["summary"]["before"]["ok"] == 1 and partial["summary"]["now"]["trials"] == 0
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log[-3000:]
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and [r["mode"] for r in final["rows"]] == ["before", "now"]

@@ -43,6 +43,7 @@ def test_a_quoted_output_matches_its_file(name, commit, date, command, after):
     the script prints under it may be left to the prose) as the next block starting with the table's head."""
     data = json.loads((RESULTS / name).read_text())
     assert (commit, date, command) == (data["git_commit"], data["date"], data["command"])
+    assert data.get("complete", True), f"{name}: a run cut off before its end (complete: false) is quoted"
     table = data["table"].strip().split("\n\n")[0]
     head = table.splitlines()[0]
     assert head in after, f"{name}: its table is not quoted after its command"

@@ -188,3 +188,70 @@ def test_a_heartbeat_that_keeps_failing_gives_the_trial_up_past_the_stale_window
         time.sleep(0.5)
         assert heartbeat() == last  # the storage is back, but a worker that lost its claim does not beat again
     assert any(r.levelno == logging.ERROR and "lost its claim" in r.getMessage() for r in caplog.records)
+
+
+def _stop_before_claim(study: optuna.Study, trial: optuna.Trial, failure_class: str | None) -> None:
+    """As the sweeper leaves a trial a signal (or a lost worker) stopped while its config was being composed."""
+    if failure_class is not None:
+        trial.set_user_attr("failure_class", failure_class)
+    study.tell(trial, state=TrialState.FAIL)
+
+
+def test_a_trial_stopped_before_its_claim_neither_counts_nor_holds_its_config(study):
+    fixed = {"x": optuna.distributions.CategoricalDistribution([1, 2])}
+    interrupted = study.ask(fixed)
+    ledger.own(interrupted)
+    interrupted.set_user_attr("sampled", True)  # the signal came while it waited in claim
+    _stop_before_claim(study, interrupted, "interrupted")
+    left_running = study.ask(fixed)  # recovered as stale: told failed, no failure class
+    _stop_before_claim(study, left_running, None)
+    invalid = study.ask(fixed)
+    invalid.set_user_attr("failure_class", "invalid")
+    study.tell(invalid, state=TrialState.PRUNED)
+    assert [t.number for t in ledger.counted(study.get_trials())] == [invalid.number]
+
+    again = study.ask(fixed)
+    assert ledger.claim(study, again, again.params) is None, "a config nothing measured is free to claim"
+
+
+def test_resume_requeues_the_enqueued_params_of_a_trial_stopped_before_its_claim_once(study):
+    from hydra_plugins.moe_vlm_sweep_sweeper._impl import SweeperImpl
+    from moe_vlm_sweep.sweep.spec import load_spec
+
+    study.enqueue_trial({"x": 2}, user_attrs={"retry_of": 7})
+    first = study.ask({"x": optuna.distributions.CategoricalDistribution([1, 2])})
+    _stop_before_claim(study, first, "interrupted")
+    sweeper = SweeperImpl.__new__(SweeperImpl)  # the resume step alone: no app, no launcher, no MLflow
+    sweeper.project, sweeper.tracker = False, None
+    for _ in range(2):  # a second resume queues nothing more
+        sweeper._recover(study, load_spec({"n_trials": 1}))
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert [(t.user_attrs, t.system_attrs["fixed_params"]) for t in waiting] == [
+        ({"retry_of": 7, "requeue_of": first.number}, {"x": 2})
+    ]
+    assert ledger.counted(study.get_trials()) == []
+
+
+def test_a_trial_another_host_failed_first_is_not_told_again(tmp_path, caplog):
+    """The heartbeat's claim was lost and another host's resume failed the trial: the sweep logs it, goes on."""
+    from hydra_plugins.moe_vlm_sweep_sweeper._impl import Outcome, SweeperImpl
+
+    url = f"sqlite:///{tmp_path / 'lost.db'}"
+    study = optuna.create_study(storage=url, study_name="lost", direction="maximize")
+    trial = study.ask()
+    other_host = (
+        "import optuna; optuna.load_study(study_name='lost', storage=%r).tell(0, state=optuna.trial.TrialState.FAIL)"
+    )
+    subprocess.run([sys.executable, "-c", other_host % url], check=True, timeout=120)
+    sweeper = SweeperImpl.__new__(SweeperImpl)  # the tell alone: no app, no launcher, no MLflow
+    sweeper.project, sweeper.tracker = False, None
+    lost = Outcome(state="fail", failure_class="interrupted", reason="trial #0 lost its claim")
+    with caplog.at_level(logging.WARNING):
+        sweeper._tell_unless_finished(study, trial, lost)
+    assert "already FAIL by another host" in caplog.text
+    assert study.get_trials()[0].state == TrialState.FAIL
+
+    study.enqueue_trial({})  # any other refusal is still raised: here telling a trial not yet asked
+    waiting = optuna.trial.Trial(study, study.get_trials(states=(TrialState.WAITING,))[0]._trial_id)
+    with pytest.raises(ValueError, match="WAITING"):
+        sweeper._tell_unless_finished(study, waiting, lost)

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ from sweep_testing import (
     trial_processes,
 )
 from test_sweep_e2e import SMALL_SPACE, _assert_consistent, _postgres_url
+
+from moe_vlm_sweep.sweep import ledger
 
 ONE = SMALL_SPACE.replace("n_trials: 3", "n_trials: 1")
 
@@ -370,3 +373,46 @@ def test_a_second_ctrl_c_ends_the_sweep_at_once_and_it_still_resumes(tmp_path):
     _assert_consistent(study, mlflow_runs(tmp_path), 1)
     retry = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
     assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE, out[-3000:]
+
+
+def _first_trial_unclaimed(tmp_path: Path) -> bool:
+    """Trial 0 is asked and not yet claimed (its config is being composed), read straight from the database so the
+    poll is quick enough to land in that window."""
+    dbs = list((tmp_path / "outputs" / "sweeps").glob("*/optuna.db"))
+    if not dbs:
+        return False
+    # suppress: the tables may not be created yet
+    with contextlib.closing(sqlite3.connect(dbs[0], timeout=5)) as db, contextlib.suppress(sqlite3.OperationalError):
+        keys = db.execute(
+            "SELECT a.key FROM trials t JOIN trial_user_attributes a ON a.trial_id = t.trial_id "
+            "WHERE t.number = 0 AND t.state = 'RUNNING'"
+        ).fetchall()
+        return ("worker",) in keys and ("claim",) not in keys
+    return False
+
+
+@pytest.mark.slow
+def test_a_signal_before_the_trial_claims_its_config_spends_no_trial(tmp_path):
+    conf = private_conf(tmp_path, {"small": ONE})
+    log = tmp_path / "first.log"
+    command = ["run", "-m", "sweep=small"]
+    sweep = start_cli(command, cwd=tmp_path, conf=conf, log=log)
+    try:
+        deadline = time.monotonic() + 300
+        while not _first_trial_unclaimed(tmp_path):
+            assert sweep.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.01)
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=60) == 143, log.read_text()[-4000:]
+    finally:
+        end_orphans(tmp_path)
+    first = only_study(tmp_path).trials[0]
+    assert first.state == TrialState.FAIL and first.user_attrs["failure_class"] == "interrupted"
+    assert "claim" not in first.user_attrs, "the signal came after the claim: this test needs it before"
+    assert "trial #0 marked interrupted. Resume with" in log.read_text()
+    cli(command, cwd=tmp_path, conf=conf)
+    study = only_study(tmp_path)
+    _assert_consistent(study, mlflow_runs(tmp_path), 1)
+    (measured,) = ledger.counted(study.trials)
+    assert measured.number > 0 and measured.state == TrialState.COMPLETE
+    assert [t.number for t in study.trials if t.user_attrs.get("claim") == "launch"] == [measured.number]

@@ -81,13 +81,13 @@ def test_a_hanging_trial_times_out_and_its_whole_group_is_killed(tmp_path):
     thread = threading.Thread(target=lambda: box.setdefault("r", launch(plan, run_dir, warm=True)))
     thread.start()
     deadline = time.monotonic() + 60
-    while not (pids := _trial_pids(_host())):
-        assert time.monotonic() < deadline
+    # the forked child is the host's child before it calls setsid: wait for it to lead its own group
+    while not (pids := _trial_pids(_host())) or _pgid(pids[0]) != pids[0]:
+        assert time.monotonic() < deadline, "the trial never led its own process group"
         time.sleep(0.1)
-    group = os.getpgid(pids[0])
+    group = pids[0]
     thread.join(timeout=60)
     assert box["r"].status == "timeout" and "train.timeout_s=8" in box["r"].reason
-    assert group == pids[0], "the trial leads its own process group"
     assert not [p for p in psutil.process_iter() if _pgid(p.pid) == group]
     assert not (run_dir / "metrics.json").exists()
 

@@ -13,6 +13,7 @@ validation, no MLflow, the task's return value is the objective.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import shlex
 import signal
@@ -71,6 +72,8 @@ _LAUNCH_FAILURES = (RunStatus.OOM, RunStatus.CRASH, RunStatus.TIMEOUT, RunStatus
 _TELL_STATE = {"pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
 EXIT_INVALID = 2
 EXIT_STOPPED = 1
+
+logger = logging.getLogger(__name__)
 
 
 class Interrupted(BaseException):
@@ -227,6 +230,15 @@ class SweeperImpl(Sweeper):
                     f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once",
                     flush=True,
                 )
+        for trial in ledger.unqueued_unclaimed(study.get_trials(deepcopy=False)):
+            # Stopped before it claimed its enqueued params: nothing ran, so they are queued again for a new trial.
+            carried = {k: trial.user_attrs[k] for k in ("retry_of", "proposed_as") if k in trial.user_attrs}
+            study.enqueue_trial(
+                trial.system_attrs["fixed_params"],
+                user_attrs={**carried, "requeue_of": trial.number},
+                skip_if_exists=False,
+            )
+            print(f"resume: trial #{trial.number} was stopped before it claimed its config; re-queued", flush=True)
         if self.tracker is not None:
             finished = study.get_trials(deepcopy=False, states=ledger.FINISHED)
             interrupted = {k for k in study.user_attrs if k.startswith("interrupted.")}
@@ -370,6 +382,24 @@ class SweeperImpl(Sweeper):
                     "marked FAILED there, and the study keeps the trial's result",
                     flush=True,
                 )
+
+    def _tell_unless_finished(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome) -> None:
+        """:meth:`_tell`, unless another host already finished the trial: it does once this worker's heartbeat
+        stopped for ``sweep.resume.stale_after_s`` (the claim was lost), and its verdict stands. Optuna then
+        refuses the attributes (UpdateFinishedTrialError) or the tell (ValueError); any other error is raised."""
+        try:
+            self._tell(study, trial, outcome)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
+            stored = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+            if stored.state not in ledger.FINISHED:
+                raise
+            logger.warning(
+                "trial #%d was already %s by another host (its claim was lost), so its %s outcome is not told: %s",
+                trial.number,
+                stored.state.name,
+                outcome.failure_class,
+                exc,
+            )
 
     # --- the loop -----------------------------------------------------------------------------------------
 
@@ -532,7 +562,7 @@ class SweeperImpl(Sweeper):
                 outcome = self._run(study, trial, spec, overrides)
             if outcome.run_dir:
                 self.trial_seconds.append(time.monotonic() - began)
-            self._tell(study, trial, outcome)
+            self._tell_unless_finished(study, trial, outcome)
             self.current = None
             duplicates_in_a_row = duplicates_in_a_row + 1 if outcome.failure_class == RunStatus.DUPLICATE else 0
             proposal = duplicates_in_a_row and neighbor_of_best(study, space, walker)

@@ -9,6 +9,8 @@ Optuna stores the trials; these user attributes, written by the sweeper, give th
 - ``failure_class`` / ``reason``: the outcome, for people, MLflow and ``best``.
 - ``retry_of``: on a trial re-running an interrupted one (``sweep.resume.stale=retry``); the interrupted
   trial then no longer counts toward ``sweep.n_trials``.
+- ``requeue_of``: on a queued trial taking the fixed params (a first trial, a retry, a proposal) of one stopped
+  before it claimed them (:func:`stopped_unclaimed`).
 
 A stale trial whose run finished anyway (the sweep was killed while its worker wrote the result) is found by its
 run directory (:func:`finished_run`) and its result kept, never measured again.
@@ -94,13 +96,35 @@ def unretried_interrupts(trials: list[FrozenTrial]) -> list[FrozenTrial]:
     ]
 
 
+def stopped_unclaimed(trial: FrozenTrial) -> bool:
+    """A trial failed by a stop (a signal, a lost worker) before it claimed its config: nothing of it ran, so it
+    neither counts nor holds its config. An invalid config, told before any claim, is not one: the sampler
+    learns from it, so it counts."""
+    return (
+        trial.state == TrialState.FAIL
+        and "claim" not in trial.user_attrs
+        and trial.user_attrs.get("failure_class") in (None, RunStatus.INTERRUPTED)
+    )
+
+
+def unqueued_unclaimed(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """Trials stopped before their claim whose fixed params (an enqueued trial's) no queued trial takes yet: a
+    sampled trial needs nothing, the next ask samples afresh, but an enqueued one's params would be lost."""
+    requeued = {int(t.user_attrs["requeue_of"]) for t in trials if "requeue_of" in t.user_attrs}
+    return [t for t in trials if stopped_unclaimed(t) and "fixed_params" in t.system_attrs and t.number not in requeued]
+
+
 def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
-    """Finished trials that count toward ``sweep.n_trials``: not duplicates, not interrupted-and-retried."""
+    """Finished trials that count toward ``sweep.n_trials``: not duplicates, not interrupted-and-retried, not
+    stopped before their claim."""
     retried = retried_numbers(trials)
     return [
         t
         for t in trials
-        if t.state in FINISHED and t.user_attrs.get("claim") not in NOT_COUNTED and t.number not in retried
+        if t.state in FINISHED
+        and t.user_attrs.get("claim") not in NOT_COUNTED
+        and t.number not in retried
+        and not stopped_unclaimed(t)
     ]
 
 
@@ -128,7 +152,8 @@ def stale_trials(study: optuna.Study, stale_after_s: float) -> list[FrozenTrial]
 
 
 def holders(trials: list[FrozenTrial], params: dict[str, Any], number: int) -> list[FrozenTrial]:
-    """Other trials that hold ``params``: sampled (complete params), not duplicates, not superseded retries."""
+    """Other trials that hold ``params``: sampled (complete params), not duplicates, not superseded retries, not
+    stopped before their claim."""
     retried = retried_numbers(trials)
     return [
         t
@@ -137,6 +162,7 @@ def holders(trials: list[FrozenTrial], params: dict[str, Any], number: int) -> l
         and t.user_attrs.get("sampled")
         and t.user_attrs.get("claim") not in NOT_COUNTED
         and t.number not in retried
+        and not stopped_unclaimed(t)
         and t.state != TrialState.WAITING
         and t.params == params
     ]
