@@ -232,7 +232,9 @@ class SweeperImpl(Sweeper):
                 )
         for trial in ledger.unqueued_unclaimed(study.get_trials(deepcopy=False)):
             # Stopped before it claimed its enqueued params: nothing ran, so they are queued again for a new trial.
-            carried = {k: trial.user_attrs[k] for k in ("retry_of", "proposed_as") if k in trial.user_attrs}
+            carried: dict[str, Any] = {
+                k: trial.user_attrs[k] for k in ("retry_of", "proposed_as") if k in trial.user_attrs
+            }
             study.enqueue_trial(
                 trial.system_attrs["fixed_params"],
                 user_attrs={**carried, "requeue_of": trial.number},
