@@ -21,16 +21,23 @@ class Choice(enum.StrEnum):
 
 
 class VisionKind(Choice):
+    """The ViT megatron-core's LLaVA builds: CLIP-style (class token, pre-norm) or SigLIP-style (no class
+    token)."""
+
     clip = "clip"
     siglip = "siglip"
 
 
 class ProjectorKind(Choice):
+    """Vision-to-decoder projector: ``mlp`` (two layers with GELU, LLaVA-1.5) or ``affine`` (one linear layer)."""
+
     mlp = "mlp"
     affine = "affine"
 
 
 class Normalization(Choice):
+    """The decoder's norm, by megatron-core's ``TransformerConfig.normalization`` names."""
+
     RMSNorm = "RMSNorm"
     LayerNorm = "LayerNorm"
 
@@ -45,12 +52,17 @@ class FsdpSharding(Choice):
 
 
 class RecomputeGranularity(Choice):
+    """megatron-core's ``recompute_granularity``, with ``none`` for no recompute."""
+
     none = "none"
     full = "full"
     selective = "selective"
 
 
 class RecomputeMethod(Choice):
+    """Full recompute's ``recompute_method``: chunks of layers (``uniform``) or the first layers of each
+    pipeline stage (``block``)."""
+
     uniform = "uniform"
     block = "block"
 
@@ -68,6 +80,8 @@ class RecomputeModule(Choice):
 
 
 class CudaGraphImpl(Choice):
+    """megatron-core's ``cuda_graph_impl``, with ``none`` for eager execution."""
+
     none = "none"
     local = "local"
     transformer_engine = "transformer_engine"
@@ -94,38 +108,53 @@ class TokenDispatcher(Choice):
 
 
 class FlexBackend(Choice):
+    """The flex dispatcher's all-to-all library (megatron-core's ``moe_flex_dispatcher_backend``)."""
+
     deepep = "deepep"
     hybridep = "hybridep"
 
 
 class DataSource(Choice):
+    """Where samples come from (``data/``): generated images with text, text alone shaped like the
+    multimodal sequence, or WebDataset shards of captioned images."""
+
     synthetic_images = "synthetic_images"
     mock_text = "mock_text"
     webdataset = "webdataset"
 
 
 class Realism(Choice):
+    """How close the data is to real multimodal input; runs of different realism are never ranked together."""
+
     mock_text = "mock_text"
     synthetic_images = "synthetic_images"
     real_images = "real_images"
 
 
 class Device(Choice):
+    """What the worker trains on."""
+
     cpu = "cpu"
     cuda = "cuda"
 
 
 class Launcher(Choice):
+    """How the worker is started: one process in place, or ``torchrun`` per node."""
+
     local = "local"
     torchrun = "torchrun"
 
 
 class TrackingBackend(Choice):
+    """Where runs are recorded besides their run directory."""
+
     none = "none"
     mlflow = "mlflow"
 
 
 class Precision(Choice):
+    """Parameter and activation dtype; ``auto`` resolves per device (``TrainConf.resolved_precision``)."""
+
     auto = "auto"
     bf16 = "bf16"
     fp32 = "fp32"
@@ -142,6 +171,8 @@ class Fp8Recipe(Choice):
 
 
 class TransformerImpl(Choice):
+    """The layer specs: Transformer Engine's or megatron-core's local ones; ``auto`` resolves per device."""
+
     auto = "auto"
     local = "local"
     transformer_engine = "transformer_engine"
