@@ -63,7 +63,7 @@ def _field_type(path: str) -> Any:
     return hint
 
 
-def _choice_error(exc: BaseException | None) -> str | None:
+def choice_error(exc: BaseException | None) -> str | None:
     """OmegaConf's refusal of a value outside an Enum field, in the words of every other field error
     (``train.precision='fp16' must be one of auto, bf16, fp32, fp8``); None for any other error."""
     if not isinstance(exc, ValidationError) or not isinstance(exc.full_key, str):
@@ -148,7 +148,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
             f"unknown config key(s): {', '.join(unknown)} (see {CONF_DIR} and "
             "moe_vlm_sweep/config/schema.py for the valid ones)"
         )
-    return to_typed(cfg, own_error=ConfigFieldError, wrap=lambda exc: CompositionError(_choice_error(exc) or str(exc)))
+    return to_typed(cfg, own_error=ConfigFieldError, wrap=lambda exc: CompositionError(choice_error(exc) or str(exc)))
 
 
 def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config") -> DictConfig:
@@ -158,7 +158,7 @@ def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config"
             return compose(config_name=config_name, overrides=with_searchpath(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
-        choice = _choice_error(cause) or _choice_error(exc)
+        choice = choice_error(cause) or choice_error(exc)
         if choice is not None:
             raise CompositionError(choice) from None
         detail = f": {cause}" if cause is not None and str(cause) not in str(exc) else ""
