@@ -19,17 +19,10 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
+import sweep_testing
 from hydra import compose, initialize_config_dir
 from optuna.trial import TrialState
-from sweep_testing import (
-    children_by_trial,
-    cli,
-    end_orphans,
-    mlflow_runs,
-    only_study,
-    private_conf,
-    tiny_space,
-)
+from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf
 
 from moe_vlm_sweep.config.compose import CONF_DIR, register
 from moe_vlm_sweep.launch.slurm import is_submitit, job_problems
@@ -91,7 +84,7 @@ def _scancel(job_id: int) -> None:
             process.kill()
 
 
-SPACE = tiny_space(2, "params:\n  batch.mbs: [1, 2, 4]\n")
+SPACE = sweep_testing.tiny_space(2, "params:\n  batch.mbs: [1, 2, 4]\n")
 
 
 SLURM_CPU = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null"]
