@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from moe_vlm_sweep.cli import main
+from moe_vlm_sweep.config.compose import compose_run_config
+from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
+from moe_vlm_sweep.plan.plan import RunPlan, make_plan
 
 
 def run_in(outputs: Path, *overrides: str) -> tuple[int, Path | None]:
@@ -27,6 +30,18 @@ def run_cli(tmp_path, capsys):
         return result
 
     return _run
+
+
+LONG = ["model=tiny", "train.warmup_steps=1", "train.steps=100000", "train.profile_steps=0"]
+"""A run that trains until it is stopped (the launcher's timeouts and signals)."""
+
+
+def prepared(tmp_path: Path, overrides: list[str]) -> tuple[RunPlan, Path]:
+    """(plan, run directory) of ``overrides``, prepared for the launcher under ``tmp_path``."""
+    plan = make_plan(compose_run_config([*overrides, f"outputs_dir={tmp_path}"]), overrides)
+    run_dir = new_run_dir(tmp_path)
+    prepare(run_dir, plan, "")
+    return plan, run_dir
 
 
 def read_json(path: Path) -> dict:

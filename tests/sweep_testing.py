@@ -17,6 +17,18 @@ from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.launch.local import SERVE_FLAG
 
 FAST_TRAIN = ["train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
+SPACE_HEADER = (
+    "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
+)
+"""The head of every space file: the sweep's schema and this project's sweeper."""
+TINY_FIXED = "fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}\n"
+
+
+def tiny_space(n_trials: int, rest: str) -> str:
+    """A space file of ``n_trials`` on the tiny model at the fewest steps, maximizing throughput; ``rest`` holds
+    its ``params`` (and whatever else it sets)."""
+    objective = "objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}\n"
+    return f"{SPACE_HEADER}n_trials: {n_trials}\n{objective}{TINY_FIXED}{rest}"
 
 
 def private_conf(tmp_path: Path, spaces: dict[str, str] | None = None) -> Path:

@@ -11,24 +11,12 @@ import time
 
 import psutil
 import pytest
-from conftest import read_json
+from conftest import LONG, prepared, read_json
 from sweep_testing import WORKER, processes_under
 
-from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch.lifeline import is_alive, start_ticks
 from moe_vlm_sweep.launch.local import cuda_alloc_conf, launch
 from moe_vlm_sweep.launch.result import RunResult
-from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
-from moe_vlm_sweep.plan.plan import make_plan
-
-LONG = ["model=tiny", "train.warmup_steps=1", "train.steps=100000", "train.profile_steps=0"]
-
-
-def _prepared(tmp_path, overrides):
-    plan = make_plan(compose_run_config([*overrides, f"outputs_dir={tmp_path}"]), overrides)
-    run_dir = new_run_dir(tmp_path)
-    prepare(run_dir, plan, "")
-    return plan, run_dir
 
 
 def _worker_pids(run_dir) -> list[int]:
@@ -36,7 +24,7 @@ def _worker_pids(run_dir) -> list[int]:
 
 
 def test_killed_worker_is_a_crash(tmp_path):
-    plan, run_dir = _prepared(tmp_path, LONG)
+    plan, run_dir = prepared(tmp_path, LONG)
     box: dict[str, RunResult] = {}
     thread = threading.Thread(target=lambda: box.setdefault("r", launch(plan, run_dir)))
     thread.start()

@@ -284,7 +284,7 @@ FIELD_CASES = [
     (["batch.mbs=0"], "batch.mbs=0 must be > 0"),
     (["model.decoder.moe_router_topk=8"], "model.decoder.moe_router_topk=8 must be <= model.decoder.num_experts=4"),
     (["model.vision.image_size=50"], "model.vision.image_size=50 must be a multiple of model.vision.patch_size=14"),
-    (["recompute.modules=[foo]"], "recompute.modules='foo' must be one of"),
+    (["recompute.modules=[foo]"], "recompute.modules[0]='foo' must be one of"),
     (["data.min_text_fraction=0"], "data.min_text_fraction=0.0 must be in (0, 1]"),
     (["model.decoder.num_query_groups=3"], "model.decoder.num_query_groups=3 must divide"),
     (["parallel.fsdp_sharding=full"], "parallel.fsdp_sharding='full' must be one of"),

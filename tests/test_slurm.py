@@ -19,6 +19,7 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
+import sweep_testing
 from hydra import compose, initialize_config_dir
 from optuna.trial import TrialState
 from sweep_testing import children_by_trial, cli, end_orphans, mlflow_runs, only_study, private_conf
@@ -83,16 +84,7 @@ def _scancel(job_id: int) -> None:
             process.kill()
 
 
-SPACE = """defaults:
-  - sweep_schema
-  - _self_
-  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep
-n_trials: 2
-objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
-fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
-params:
-  batch.mbs: [1, 2, 4]
-"""
+SPACE = sweep_testing.tiny_space(2, "params:\n  batch.mbs: [1, 2, 4]\n")
 
 
 SLURM_CPU = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null"]
@@ -218,30 +210,15 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
     )
     conf, quiet = private_conf(tmp_path, {"tiny4": space}), Path(os.devnull)
     storage, stop = _postgres_url(tmp_path)
-    proc = subprocess.Popen(
-        _sweep_workers(
-            storage,
-            "--cluster",
-            "slurm",
-            "--seed",
-            "7",
-            "--slurm",
-            "timeout_min=30",
-            "--folder",
-            str(tmp_path / "submitit"),
-            "--",
-            "sweep=tiny4",
-            "sweep.study_name=shared",
-        ),
-        cwd=tmp_path,
-        env=_env(conf),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    proc = _start_workers(
+        tmp_path,
+        conf,
+        storage,
+        *("--cluster", "slurm", "--seed", "7", "--slurm", "timeout_min=30", "--folder", str(tmp_path / "submitit")),
+        *("--", "sweep=tiny4", "sweep.study_name=shared"),
     )
     try:
-        lines = [proc.stdout.readline() for _ in range(2)]
-        assert all(line.startswith("worker ") for line in lines), lines
+        lines = _submitted(proc, 2)
 
         def study():
             return optuna.load_study(study_name="shared", storage=storage)
@@ -300,17 +277,10 @@ def test_a_sweep_worker_preempted_by_a_higher_priority_job_resumes_the_study(clu
     conf, quiet = private_conf(tmp_path, {"tiny2": SPACE}), Path(os.devnull)
     storage, stop = _postgres_url(tmp_path)
     args = ["--workers", "1", "--cluster", "slurm", "--slurm", "timeout_min=30", "--folder", str(tmp_path / "s")]
-    proc = subprocess.Popen(
-        _sweep_workers(storage, *args, "--", "sweep=tiny2", "sweep.study_name=shared"),  # the last --workers holds
-        cwd=tmp_path,
-        env=_env(conf),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    # the last --workers holds
+    proc = _start_workers(tmp_path, conf, storage, *args, "--", "sweep=tiny2", "sweep.study_name=shared")
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("worker "), line
+        (line,) = _submitted(proc, 1)
         worker = line.split()[1].rstrip(":")
 
         def running_trial():
@@ -390,28 +360,35 @@ def _env(conf: Path) -> dict:
     return {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.mark.slow
-def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
-    conf = private_conf(tmp_path, {"tiny4": SPACE.replace("n_trials: 2", "n_trials: 3")})
-    proc = subprocess.Popen(
-        _sweep_workers(
-            f"sqlite:///{tmp_path / 'shared.db'}",
-            "--folder",
-            str(tmp_path / "submitit"),
-            "--",
-            "sweep=tiny4",
-            "sweep.study_name=shared",
-        ),
+def _start_workers(tmp_path: Path, conf: Path, storage: str, *args: str) -> subprocess.Popen:
+    """``launchers/sweep_workers.py`` on ``storage`` in the background, its console (stderr too) on a pipe."""
+    return subprocess.Popen(
+        _sweep_workers(storage, *args),
         cwd=tmp_path,
         env=_env(conf),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+def _submitted(proc: subprocess.Popen, count: int) -> list[str]:
+    """The first ``count`` console lines, each a submitted worker's (``worker JOB_ID: ...``)."""
+    lines = [proc.stdout.readline() for _ in range(count)]
+    assert all(line.startswith("worker ") for line in lines), lines
+    return lines
+
+
+@pytest.mark.slow
+def test_a_lost_worker_job_does_not_hide_the_other_workers_status(tmp_path):
+    conf = private_conf(tmp_path, {"tiny4": SPACE.replace("n_trials: 2", "n_trials: 3")})
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    proc = _start_workers(
+        tmp_path, conf, storage, "--folder", str(tmp_path / "submitit"), "--", "sweep=tiny4", "sweep.study_name=shared"
+    )
     try:
-        lines = [proc.stdout.readline() for _ in range(2)]
+        lines = _submitted(proc, 2)
         job_ids = [line.split()[1].rstrip(":") for line in lines]
-        assert all(line.startswith("worker ") for line in lines), lines
         _scancel(int(job_ids[0]))
         out = "".join(lines) + proc.communicate(timeout=900)[0]
     finally:

@@ -17,6 +17,7 @@ import yaml
 from optuna.trial import TrialState
 from sweep_testing import (
     FAST_TRAIN,
+    SPACE_HEADER,
     WORKER,
     children_by_trial,
     cli,
@@ -27,22 +28,18 @@ from sweep_testing import (
     private_conf,
     processes_under,
     start_cli,
+    tiny_space,
 )
 
 from moe_vlm_sweep.sweep import ledger
 
-HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
-SMALL_SPACE = (
-    HEADER
-    + """
-n_trials: 3
-objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
-fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
-params:
+SMALL_SPACE = tiny_space(
+    3,
+    """params:
   batch.mbs: [1, 2, 4]
   vision: [trainable, frozen]
 allow_recipe_changes: [vision]
-"""
+""",
 )
 
 
@@ -133,7 +130,7 @@ def _assert_reported(tmp_path: Path, study: optuna.Study, runs: list, child, out
 def test_invalid_configs_are_never_launched(tmp_path):
     """Every config of this space breaks a rule (pipelining under FSDP, mbs not dividing gbs)."""
     space = (
-        HEADER
+        SPACE_HEADER
         + """
 n_trials: 4
 fixed: {model: tiny, parallel: fsdp}
@@ -160,7 +157,7 @@ def test_injected_failures_are_classified_and_the_sweep_goes_on(tmp_path):
     """Real failures: vocab_size=1 crashes the data sampler, 100000 steps run past a 2 s timeout, lr=1e30 makes
     the loss NaN. Queued in the study, so each runs exactly once, then a healthy trial."""
     space = (
-        HEADER
+        SPACE_HEADER
         + """
 n_trials: 4
 sampler: random
@@ -331,17 +328,7 @@ def test_grid_sweep_runs_on_the_basic_sweeper(tmp_path):
     assert not (tmp_path / "outputs" / "sweeps").exists()
 
 
-MIXED_REALISM_SPACE = (
-    HEADER
-    + """
-n_trials: 4
-objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
-fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
-allow_recipe_changes: [data]
-params:
-  data: [synthetic_images, mock_text]
-"""
-)
+MIXED_REALISM_SPACE = tiny_space(4, "allow_recipe_changes: [data]\nparams:\n  data: [synthetic_images, mock_text]\n")
 
 
 @pytest.mark.slow
@@ -441,7 +428,7 @@ def test_a_time_budget_stops_between_trials_and_the_study_resumes(tmp_path):
 def test_a_space_in_the_old_list_form_of_fixed_fails_naming_the_knob(tmp_path):
     """Spaces wrote ``fixed`` as a list of override strings before it became a mapping; such a file composes and
     is refused by the spec's own check, not by a merge error that names no key."""
-    space = HEADER + "n_trials: 1\nfixed: [model=tiny]\nparams:\n  batch.mbs: [1, 2]\n"
+    space = SPACE_HEADER + "n_trials: 1\nfixed: [model=tiny]\nparams:\n  batch.mbs: [1, 2]\n"
     conf = private_conf(tmp_path, {"old": space})
     proc = cli(["run", "-m", "sweep=old"], cwd=tmp_path, conf=conf, check=False)
     assert proc.returncode != 0

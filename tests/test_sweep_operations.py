@@ -55,6 +55,28 @@ def _wait_in_trial(tmp_path: Path, sweep: subprocess.Popen, log: Path, number: i
         time.sleep(0.2)
 
 
+SMALL = ["run", "-m", "sweep=small"]
+
+
+def _sweep_in_first_trial(tmp_path: Path, n_trials: int) -> tuple[Path, Path, subprocess.Popen, list[psutil.Process]]:
+    """Start the small space's sweep of ``n_trials`` (its console in ``first.log``) and wait until trial #0 runs
+    its worker: (conf, log, sweep, the worker's processes). Ends what it started if the wait fails."""
+    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", f"n_trials: {n_trials}")})
+    log = tmp_path / "first.log"
+    sweep = start_cli(SMALL, cwd=tmp_path, conf=conf, log=log)
+    try:
+        return conf, log, sweep, _wait_in_trial(tmp_path, sweep, log)
+    except BaseException:
+        end_orphans(tmp_path)
+        raise
+
+
+def _freeze_until_the_worker_finished(sweep: subprocess.Popen, workers: list[psutil.Process]) -> None:
+    """Freeze the sweep (SIGSTOP) so that its worker writes metrics.json and no launcher reads it."""
+    sweep.send_signal(signal.SIGSTOP)
+    psutil.wait_procs(workers, timeout=300)
+
+
 def _described(procs: list[psutil.Process]) -> list[str]:
     out = []
     for proc in procs:
@@ -215,20 +237,16 @@ def test_a_killed_sweep_whose_worker_finished_keeps_the_result(tmp_path):
     """The sweep is frozen (SIGSTOP) while its worker trains, so the worker writes metrics.json and no launcher
     reads it; then the sweep is killed. The same command adopts that measurement: the trial is COMPLETE with its
     value, its MLflow child FINISHED with the metrics, and the config is not measured again."""
-    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 2")})
-    log = tmp_path / "first.log"
-    sweep = start_cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf, log=log)
+    conf, _, sweep, workers = _sweep_in_first_trial(tmp_path, 2)
     try:
-        workers = _wait_in_trial(tmp_path, sweep, log)
-        sweep.send_signal(signal.SIGSTOP)
-        psutil.wait_procs(workers, timeout=300)
+        _freeze_until_the_worker_finished(sweep, workers)
         sweep.send_signal(signal.SIGKILL)
         sweep.wait()
     finally:
         end_orphans(tmp_path)
     run_dir = next((tmp_path / "outputs" / "runs").glob("*-job0-*"))
     assert (run_dir / "metrics.json").exists() and not (run_dir / "result.json").exists()
-    out = cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf).stdout
+    out = cli(SMALL, cwd=tmp_path, conf=conf).stdout
     assert "resume: trial #0 was left RUNNING by a sweep that is gone, but its run finished (ok" in out, out
     study = only_study(tmp_path)
     first = study.trials[0]
@@ -247,12 +265,8 @@ def test_a_killed_sweep_whose_worker_finished_keeps_the_result(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path, sig, code):
-    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 2")})
-    log = tmp_path / "first.log"
-    command = ["run", "-m", "sweep=small"]
-    sweep = start_cli(command, cwd=tmp_path, conf=conf, log=log)
+    conf, log, sweep, workers = _sweep_in_first_trial(tmp_path, 2)
     try:
-        workers = _wait_in_trial(tmp_path, sweep, log)
         began = time.monotonic()
         sweep.send_signal(sig)
         assert sweep.wait(timeout=60) == code, log.read_text()[-4000:]
@@ -275,7 +289,7 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
     runs = mlflow_runs(tmp_path)
     assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
     assert children_by_trial(runs)[0].info.status == "KILLED"
-    cli(command, cwd=tmp_path, conf=conf)
+    cli(SMALL, cwd=tmp_path, conf=conf)
     study = only_study(tmp_path)
     _assert_consistent(study, mlflow_runs(tmp_path), 2)
     retry = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
@@ -333,13 +347,9 @@ def test_two_sweep_workers_on_one_host_never_measure_at_once(tmp_path, monkeypat
 def test_a_signal_just_after_the_worker_finished_keeps_its_result(tmp_path):
     """SIGTERM reaches a frozen sweep whose worker then finishes; the sweep wakes into the signal with the
     result on disk: it tells that result (not interrupted, not queued again) and exits 143."""
-    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 2")})
-    log = tmp_path / "first.log"
-    sweep = start_cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf, log=log)
+    _, log, sweep, workers = _sweep_in_first_trial(tmp_path, 2)
     try:
-        workers = _wait_in_trial(tmp_path, sweep, log)
-        sweep.send_signal(signal.SIGSTOP)
-        psutil.wait_procs(workers, timeout=300)
+        _freeze_until_the_worker_finished(sweep, workers)
         sweep.send_signal(signal.SIGTERM)
         sweep.send_signal(signal.SIGCONT)
         assert sweep.wait(timeout=60) == 143, log.read_text()[-4000:]
@@ -354,11 +364,8 @@ def test_a_signal_just_after_the_worker_finished_keeps_its_result(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_ends_the_sweep_at_once_and_it_still_resumes(tmp_path):
-    conf = private_conf(tmp_path, {"small": SMALL_SPACE.replace("n_trials: 3", "n_trials: 1")})
-    log = tmp_path / "first.log"
-    sweep = start_cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf, log=log)
+    conf, log, sweep, workers = _sweep_in_first_trial(tmp_path, 1)
     try:
-        workers = _wait_in_trial(tmp_path, sweep, log)
         sweep.send_signal(signal.SIGINT)
         time.sleep(0.05)
         sweep.send_signal(signal.SIGINT)
@@ -366,7 +373,7 @@ def test_a_second_ctrl_c_ends_the_sweep_at_once_and_it_still_resumes(tmp_path):
         assert not psutil.wait_procs(workers, timeout=30)[1], "the worker must not outlive the sweep"
     finally:
         end_orphans(tmp_path)
-    out = cli(["run", "-m", "sweep=small"], cwd=tmp_path, conf=conf).stdout
+    out = cli(SMALL, cwd=tmp_path, conf=conf).stdout
     # Wherever the second signal landed (before the trial was marked, or between marking and queuing it again),
     # the resumed study re-runs the interrupted config once and MLflow matches it.
     study = only_study(tmp_path)

@@ -6,34 +6,36 @@ from __future__ import annotations
 import re
 
 import pytest
-from sweep_testing import cli, private_conf
+from sweep_testing import SPACE_HEADER, TINY_FIXED, cli, private_conf
 
 from moe_vlm_sweep.cli import main
 from moe_vlm_sweep.sweep.preflight import check_objective, metric_fields
 from moe_vlm_sweep.sweep.spec import ObjectiveConf, SweepSpecError
-
-HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
-FIXED = "fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}\n"
 
 
 @pytest.mark.parametrize(
     "body,message",
     [
         (
-            FIXED + "params:\n  batch.mbss: [1, 2]\n",
+            TINY_FIXED + "params:\n  batch.mbss: [1, 2]\n",
             "sweep.params.batch.mbss=1 does not compose: Could not override 'batch.mbss'. Key 'mbss' not in 'BatchConf'",
         ),
         (
-            FIXED + "params:\n  batch.mbs: [1, two]\n",
+            TINY_FIXED + "params:\n  batch.mbs: [1, two]\n",
             "sweep.params.batch.mbs=two does not compose: Error merging override batch.mbs=two Value 'two' of type "
             "'str' could not be converted to Integer",
         ),
         (
-            FIXED + "params:\n  batch.mbs: {type: categorical, choises: [1, 2]}\n",
+            TINY_FIXED + "params:\n  batch.mbs: {type: categorical, choises: [1, 2]}\n",
             "sweep.params.batch.mbs: unknown field(s) choises for type categorical",
         ),
         (
-            FIXED + "params:\n  recompute: [none, selectiv]\n",
+            TINY_FIXED + "params:\n  dispatcher.token_dispatcher: [alltoall, alltoal]\n",
+            "sweep.params.dispatcher.token_dispatcher=alltoal does not compose: "
+            "dispatcher.token_dispatcher='alltoal' must be one of allgather, alltoall, flex",
+        ),
+        (
+            TINY_FIXED + "params:\n  recompute: [none, selectiv]\n",
             "sweep.params.recompute=selectiv does not compose: In 'config': Could not find 'recompute/selectiv'",
         ),
         (
@@ -41,7 +43,7 @@ FIXED = "fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profi
             "sweep.fixed with the command line's overrides does not compose: Could not override 'train.stepz'",
         ),
         (
-            FIXED
+            TINY_FIXED
             + "params:\n  batch.mbs: {type: int, low: 1, high: 2}\n  train.lr: {type: float, low: 0.001, high: 0.01}"
             "\nallow_recipe_changes: [train.lr]\nfirst_trials:\n  - {batch.mbs: 1}\nobjective: {metric: tokens_per_sec}\n",
             "sweep.objective.metric='tokens_per_sec' is not a numeric field of metrics.json",
@@ -49,7 +51,7 @@ FIXED = "fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profi
     ],
 )
 def test_a_bad_space_exits_2_before_any_trial(tmp_path, body, message):
-    conf = private_conf(tmp_path, {"bad": HEADER + "n_trials: 2\n" + body})
+    conf = private_conf(tmp_path, {"bad": SPACE_HEADER + "n_trials: 2\n" + body})
     proc = cli(["run", "-m", "sweep=bad"], cwd=tmp_path, conf=conf, check=False, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"error: {message}" in proc.stderr, proc.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import optuna
 import pytest
 import yaml
-from sweep_testing import cli, private_conf
+from sweep_testing import cli, private_conf, tiny_space
 
 from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.config.recipe import TOKEN_DROPPING
@@ -16,18 +16,7 @@ from moe_vlm_sweep.sweep.recipe import check_recipe, needs_drop_and_pad, recipe_
 from moe_vlm_sweep.sweep.space import Space
 from moe_vlm_sweep.sweep.spec import SweepSpecError
 
-HEADER = "defaults:\n  - sweep_schema\n  - _self_\n  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep\n"
-VISION_SPACE = (
-    HEADER
-    + """
-n_trials: 2
-objective: {metric: effective_tokens_per_s_per_gpu, direction: maximize}
-fixed: {model: tiny, train.warmup_steps: 1, train.steps: 2, train.profile_steps: 0}
-params:
-  batch.mbs: [1, 2]
-  vision: [trainable, frozen]
-"""
-)
+VISION_SPACE = tiny_space(2, "params:\n  batch.mbs: [1, 2]\n  vision: [trainable, frozen]\n")
 
 
 @pytest.mark.parametrize(

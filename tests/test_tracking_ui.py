@@ -13,19 +13,18 @@ import time
 import urllib.request
 
 import pytest
-from sweep_testing import cli, private_conf
+from sweep_testing import SPACE_HEADER, cli, private_conf
 
 from moe_vlm_sweep.tracking.mlflow_sink import flatten
 
-SPACE = """defaults:
-  - sweep_schema
-  - _self_
-  - override /hydra/sweeper@_global_.hydra.sweeper: moe_vlm_sweep
-n_trials: 2
+SPACE = (
+    SPACE_HEADER
+    + """n_trials: 2
 fixed: {model: tiny, parallel: fsdp}
 params:
   parallel.pp: [2, 4]
 """
+)
 
 
 def _free_port() -> int:

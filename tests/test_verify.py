@@ -35,28 +35,20 @@ def test_verify_needs_a_reference_and_valid_configs(tmp_path, capsys):
     assert not (tmp_path / "verify" / "runs").exists()
 
 
+def _verify(tmp_path, capsys, candidate: list[str], reference: list[str], *, steps: int) -> tuple[int, str]:
+    """``moe-vlm-sweep verify CANDIDATE --against REFERENCE``: (exit code, console)."""
+    code = main(["verify", *candidate, "--against", *reference, "--steps", str(steps), "--outputs", str(tmp_path)])
+    return code, capsys.readouterr().out
+
+
 TWO = ["model=tiny", "launcher=torchrun", "launcher.nproc_per_node=2", "batch.gbs=4", "batch.mbs=2"]
 
 
 @pytest.mark.slow
 def test_tp2_sp_passes_against_its_fsdp_reference(tmp_path, capsys):
-    code = main(
-        [
-            "verify",
-            *TWO,
-            "parallel=3d",
-            "parallel.tp=2",
-            "parallel.sp=true",
-            "--against",
-            *TWO,
-            "parallel=fsdp",
-            "--steps",
-            "6",
-            "--outputs",
-            str(tmp_path),
-        ]
+    code, out = _verify(
+        tmp_path, capsys, [*TWO, "parallel=3d", "parallel.tp=2", "parallel.sp=true"], [*TWO, "parallel=fsdp"], steps=6
     )
-    out = capsys.readouterr().out
     assert code == 0, out
     assert "verify: PASS: largest loss deviation" in out and "batch.mbs=1 instead of 2" in out
     record = json.loads((tmp_path / "verify" / "verify.json").read_text())
@@ -68,21 +60,8 @@ def test_tp2_sp_passes_against_its_fsdp_reference(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_token_dropping_candidate_fails(tmp_path, capsys):
     one = ["model=tiny", "batch.gbs=4", "batch.mbs=2"]
-    code = main(
-        [
-            "verify",
-            *one,
-            "dispatcher.capacity_factor=1.0",
-            "dispatcher.pad_to_capacity=true",
-            "--against",
-            *one,
-            "--steps",
-            "4",
-            "--outputs",
-            str(tmp_path),
-        ]
-    )
-    out = capsys.readouterr().out
+    dropping = ["dispatcher.capacity_factor=1.0", "dispatcher.pad_to_capacity=true"]
+    code, out = _verify(tmp_path, capsys, [*one, *dropping], one, steps=4)
     assert code == 1, out
     assert "verify: FAIL" in out and "nearest its tolerance at step 0" in out
     assert "recipes differ" in out and "dispatcher.capacity_factor=1.0" in out

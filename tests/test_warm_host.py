@@ -14,24 +14,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import read_json
+from conftest import LONG, prepared, read_json
 from sweep_testing import WORKER, processes_under
 
-from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch import warm_host
 from moe_vlm_sweep.launch.local import launch
-from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
-from moe_vlm_sweep.plan.plan import make_plan
 
 FAST = ["model=tiny", "train.warmup_steps=1", "train.steps=2", "train.profile_steps=0"]
-LONG = ["model=tiny", "train.warmup_steps=1", "train.steps=100000", "train.profile_steps=0"]
-
-
-def _prepared(tmp_path, overrides):
-    plan = make_plan(compose_run_config([*overrides, f"outputs_dir={tmp_path}"]), overrides)
-    run_dir = new_run_dir(tmp_path)
-    prepare(run_dir, plan, "")
-    return plan, run_dir
 
 
 def _host() -> psutil.Process | None:
@@ -48,7 +37,7 @@ def _trial_pids(host: psutil.Process | None) -> list[int]:
 def test_trials_after_the_first_start_training_within_a_second_of_imports(tmp_path):
     """The CPU target: a forked trial's ``startup.imports`` (from its creation to its last import) is under 1 s,
     where a fresh worker's is several seconds; its result is a whole run."""
-    results = [launch(*_prepared(tmp_path, FAST), warm=True) for _ in range(2)]
+    results = [launch(*prepared(tmp_path, FAST), warm=True) for _ in range(2)]
     assert [r.status for r in results] == ["ok", "ok"], [r.reason for r in results]
     for result in results:
         imports = result.metrics.wall_s["startup.imports"]
@@ -57,10 +46,10 @@ def test_trials_after_the_first_start_training_within_a_second_of_imports(tmp_pa
 
 
 def test_a_crashing_trial_is_a_crash_and_the_host_runs_the_next(tmp_path):
-    crashed = launch(*_prepared(tmp_path, [*FAST, "model.decoder.vocab_size=1"]), warm=True)
+    crashed = launch(*prepared(tmp_path, [*FAST, "model.decoder.vocab_size=1"]), warm=True)
     assert crashed.status == "crash" and crashed.failure is not None and crashed.failure.rank == 0, crashed.reason
     host = _host()
-    plan, run_dir = _prepared(tmp_path, LONG)
+    plan, run_dir = prepared(tmp_path, LONG)
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("r", launch(plan, run_dir, warm=True)))
     thread.start()
@@ -72,11 +61,11 @@ def test_a_crashing_trial_is_a_crash_and_the_host_runs_the_next(tmp_path):
     os.kill(_trial_pids(_host())[0], signal.SIGKILL)  # an OOM kill, say
     thread.join(timeout=60)
     assert box["r"].status == "crash" and "SIGKILL" in box["r"].reason, box["r"].reason
-    assert _host().pid == host.pid and launch(*_prepared(tmp_path, FAST), warm=True).ok
+    assert _host().pid == host.pid and launch(*prepared(tmp_path, FAST), warm=True).ok
 
 
 def test_a_hanging_trial_times_out_and_its_whole_group_is_killed(tmp_path):
-    plan, run_dir = _prepared(tmp_path, [*LONG, "train.timeout_s=8"])
+    plan, run_dir = prepared(tmp_path, [*LONG, "train.timeout_s=8"])
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("r", launch(plan, run_dir, warm=True)))
     thread.start()
@@ -101,7 +90,7 @@ def _pgid(pid: int):
 
 @pytest.mark.slow
 def test_a_torchrun_group_on_one_node_is_forked_per_rank(tmp_path):
-    result = launch(*_prepared(tmp_path, [*FAST, "launcher=torchrun", "launcher.nproc_per_node=2"]), warm=True)
+    result = launch(*prepared(tmp_path, [*FAST, "launcher=torchrun", "launcher.nproc_per_node=2"]), warm=True)
     assert result.ok, result.reason
     assert result.metrics.layout["dp"] == 2
     assert result.metrics.wall_s["startup.imports"] < 1.0

@@ -9,17 +9,21 @@ writes its ``experiment/`` configs. Nothing is ever written into the package.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
+import re
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from moe_vlm_sweep.config.schema import ConfigFieldError, RunConfig
 from moe_vlm_sweep.config.store import register
@@ -44,6 +48,30 @@ def _unknown_keys(schema: type, data: dict, prefix: str = "") -> list[str]:
         if key in fields and dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             unknown += _unknown_keys(hints[key], value, f"{prefix}{key}.")
     return unknown
+
+
+def _field_type(path: str) -> Any:
+    """The type of RunConfig's field at OmegaConf's ``full_key`` (``recompute.modules[0]``), with ``X | None`` and
+    ``list[X]`` taken down to ``X``; None for a path that names no field."""
+    hint: Any = RunConfig
+    for part in re.sub(r"\[\d+\]", "", path).split("."):
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hint = typing.get_type_hints(hint).get(part)
+        while typing.get_origin(hint) in (list, typing.Union, types.UnionType):
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def choice_error(exc: BaseException | None) -> str | None:
+    """OmegaConf's refusal of a value outside an Enum field, in the words of every other field error
+    (``train.precision='fp16' must be one of auto, bf16, fp32, fp8``); None for any other error."""
+    if not isinstance(exc, ValidationError) or not isinstance(exc.full_key, str):
+        return None
+    hint = _field_type(exc.full_key)
+    if not (isinstance(hint, type) and issubclass(hint, enum.Enum)) or exc.value in set(hint):
+        return None
+    return f"{exc.full_key}={exc.value!r} must be one of {', '.join(m.value for m in hint)}"
 
 
 def exports_dir(outputs_dir: str | Path) -> Path:
@@ -122,7 +150,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
             f"unknown config key(s): {', '.join(unknown)} (see {CONF_DIR} and "
             "moe_vlm_sweep/config/schema.py for the valid ones)"
         )
-    return to_typed(cfg, own_error=ConfigFieldError, wrap=lambda exc: CompositionError(str(exc)))
+    return to_typed(cfg, own_error=ConfigFieldError, wrap=lambda exc: CompositionError(choice_error(exc) or str(exc)))
 
 
 def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config") -> DictConfig:
@@ -132,6 +160,9 @@ def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config"
             return compose(config_name=config_name, overrides=with_searchpath(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
+        choice = choice_error(cause) or choice_error(exc)
+        if choice is not None:
+            raise CompositionError(choice) from None
         detail = f": {cause}" if cause is not None and str(cause) not in str(exc) else ""
         raise CompositionError(f"{exc}{detail}") from None
 

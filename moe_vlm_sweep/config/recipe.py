@@ -25,7 +25,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from moe_vlm_sweep.config.schema import ModelConf, RunConfig, from_dict
+from moe_vlm_sweep.config.schema import FusionsConf, ModelConf, RunConfig, from_dict
 
 
 class Knob(enum.Enum):
@@ -115,21 +115,8 @@ KNOBS: dict[str, Knob] = {
     "vision.name": R,
     "vision.freeze_encoder": R,
     "vision.freeze_projector": R,
-    **{
-        f"fusions.{f}": P
-        for f in (
-            "name",
-            "bias_dropout",
-            "rope",
-            "masked_softmax",
-            "moe_permute",
-            "cross_entropy",
-            "gradient_accumulation",
-            "bias_activation",
-            "moe_router",
-            "linear_cross_entropy",
-        )
-    },  # the same loss, chunked: tests hold it to megatron's
+    **{f"fusions.{f}": P for f in ("name", *FusionsConf.FIELDS)},  # linear_cross_entropy: the same loss, chunked
+    # (tests hold it to megatron's)
     # packing runs the same samples without padding; the source, its realism and its seed are the data
     "data.name": R,
     "data.realism": R,

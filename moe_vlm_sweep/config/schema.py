@@ -11,13 +11,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_vlm_sweep.config import codec
+from moe_vlm_sweep.config.choices import (
+    CudaGraphImpl,
+    CudaGraphModule,
+    DataSource,
+    Device,
+    FlexBackend,
+    Fp8Recipe,
+    FsdpSharding,
+    Launcher,
+    Normalization,
+    Precision,
+    ProjectorKind,
+    Realism,
+    RecomputeGranularity,
+    RecomputeMethod,
+    RecomputeModule,
+    TokenDispatcher,
+    TrackingBackend,
+    TransformerImpl,
+    VisionKind,
+)
 
 
 class ConfigFieldError(ValueError):
     """A field holds a value outside its own domain (raised while a group is built)."""
 
 
-def _choice(knob: str, value: Any, allowed: tuple) -> None:
+def _choice(knob: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    """For the closed choices an Enum cannot hold: OmegaConf 2.3 looks an Enum member up by name, so neither int
+    values (``model.vision.spatial_merge``) nor a value that is no identifier (``parallel.strategy=3d``) fits one,
+    and it has no ``Literal`` type. Every other closed choice is a ``StrEnum`` (``config/choices.py``)."""
     if value not in allowed:
         raise ConfigFieldError(f"{knob}={value!r} must be one of {', '.join(map(str, allowed))}")
 
@@ -33,7 +57,7 @@ def _positive(knob: str, value: int | float | None, *, allow_zero: bool = False)
 class VisionEncoderConf:
     """The ViT. megatron-core's LLaVA drives a CLIP-style ViT (``clip``) or a SigLIP-style one (``siglip``)."""
 
-    kind: str = "clip"
+    kind: VisionKind = VisionKind.clip
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -47,7 +71,6 @@ class VisionEncoderConf:
     LLaVA's ``pixel_shuffle``), so an image costs a quarter of the decoder tokens."""
 
     def __post_init__(self) -> None:
-        _choice("model.vision.kind", self.kind, ("clip", "siglip"))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "patch_size", "image_size"):
             _positive(f"model.vision.{name}", getattr(self, name))
         _positive("model.vision.class_token_len", self.class_token_len, allow_zero=True)
@@ -70,13 +93,12 @@ class VisionEncoderConf:
 
 @dataclass(kw_only=True)
 class ProjectorConf:
-    kind: str = "mlp"
+    kind: ProjectorKind = ProjectorKind.mlp
     """``mlp`` (two layers with GELU, LLaVA-1.5) or ``affine``."""
     ffn_hidden_size: int | None = None
     """Hidden width of the MLP projector; None means the decoder's hidden size."""
 
     def __post_init__(self) -> None:
-        _choice("model.projector.kind", self.kind, ("mlp", "affine"))
         _positive("model.projector.ffn_hidden_size", self.ffn_hidden_size)
 
 
@@ -101,7 +123,7 @@ class DecoderConf:
     moe_aux_loss_coeff: float = 1e-2
     vocab_size: int = 512
     rotary_base: int = 10000
-    normalization: str = "RMSNorm"
+    normalization: Normalization = Normalization.RMSNorm
 
     def __post_init__(self) -> None:
         for name in (
@@ -119,7 +141,6 @@ class DecoderConf:
             "moe_shared_expert_intermediate_size",
         ):
             _positive(f"model.decoder.{name}", getattr(self, name))
-        _choice("model.decoder.normalization", self.normalization, ("RMSNorm", "LayerNorm"))
         if self.moe_router_topk > self.num_experts:
             raise ConfigFieldError(
                 f"model.decoder.moe_router_topk={self.moe_router_topk} must be <= "
@@ -183,7 +204,7 @@ class ParallelConf:
     ep: int = 1
     etp: int = 1
     sp: bool = False
-    fsdp_sharding: str = "optim_grads_params"
+    fsdp_sharding: FsdpSharding = FsdpSharding.optim_grads_params
     overlap_grad_reduce: bool = False
     """Reduce each data-parallel gradient bucket as soon as backward fills it, overlapping the communication with
     the rest of backward (megatron's DDP and Megatron-FSDP), instead of one reduction after the last micro-batch."""
@@ -194,9 +215,6 @@ class ParallelConf:
 
     def __post_init__(self) -> None:
         _choice("parallel.strategy", self.strategy, ("fsdp", "3d"))
-        _choice(
-            "parallel.fsdp_sharding", self.fsdp_sharding, ("no_shard", "optim", "optim_grads", "optim_grads_params")
-        )
         for name in ("tp", "pp", "vpp", "cp", "ep", "etp"):
             _positive(f"parallel.{name}", getattr(self, name))
 
@@ -211,61 +229,44 @@ class BatchConf:
         _positive("batch.gbs", self.gbs)
 
 
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-
-
 @dataclass(kw_only=True)
 class RecomputeConf:
-    granularity: str = "none"
-    modules: list[str] = field(default_factory=list)
+    granularity: RecomputeGranularity = RecomputeGranularity.none
+    modules: list[RecomputeModule] = field(default_factory=list)
     """Selective recompute only; megatron-core's names."""
-    method: str | None = None
+    method: RecomputeMethod | None = None
     """Full recompute only: ``uniform`` or ``block``."""
     num_layers: int | None = None
     """Full recompute only: layers per chunk (uniform) or recomputed layers per stage (block)."""
 
     def __post_init__(self) -> None:
-        _choice("recompute.granularity", self.granularity, ("none", "full", "selective"))
-        for module in self.modules:
-            _choice("recompute.modules", module, RECOMPUTE_MODULES)
-        if self.method is not None:
-            _choice("recompute.method", self.method, ("uniform", "block"))
         _positive("recompute.num_layers", self.num_layers)
-
-
-CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
 @dataclass(kw_only=True)
 class CudaGraphConf:
     scope: str = "none"
-    impl: str = "none"
-    modules: list[str] = field(default_factory=list)
+    impl: CudaGraphImpl = CudaGraphImpl.none
+    modules: list[CudaGraphModule] = field(default_factory=list)
     """megatron-core ``cuda_graph_modules``; empty with a graph impl means whole layers."""
     warmup_steps: int = 1
     """Eager steps before TE graphs are captured (TE's own capture then warms each layer up to 10 times)."""
 
     def __post_init__(self) -> None:
-        _choice("cuda_graph.impl", self.impl, ("none", "local", "transformer_engine", "full_iteration"))
-        for module in self.modules:
-            _choice("cuda_graph.modules", module, CUDA_GRAPH_MODULES)
         _positive("cuda_graph.warmup_steps", self.warmup_steps, allow_zero=True)
 
 
 @dataclass(kw_only=True)
 class DispatcherConf:
     name: str = "alltoall"
-    token_dispatcher: str = "alltoall"
+    token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
     """megatron-core ``moe_token_dispatcher_type``: allgather | alltoall | flex."""
-    flex_backend: str | None = None
+    flex_backend: FlexBackend | None = None
     """``deepep`` or ``hybridep`` with the flex dispatcher."""
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
 
     def __post_init__(self) -> None:
-        _choice("dispatcher.token_dispatcher", self.token_dispatcher, ("allgather", "alltoall", "flex"))
-        if self.flex_backend is not None:
-            _choice("dispatcher.flex_backend", self.flex_backend, ("deepep", "hybridep"))
         _positive("dispatcher.capacity_factor", self.capacity_factor)
 
 
@@ -346,8 +347,8 @@ class FusionsConf:
 
 @dataclass(kw_only=True)
 class DataConf:
-    name: str = "synthetic_images"
-    realism: str = "synthetic_images"
+    name: DataSource = DataSource.synthetic_images
+    realism: Realism = Realism.synthetic_images
     """How close to real multimodal input this data is; runs of different realism are never ranked together."""
     min_text_fraction: float = 0.5
     """Each sample's real text length is drawn from [min_text_fraction, 1] * model.text_tokens; the rest is
@@ -365,8 +366,6 @@ class DataConf:
     Checked when the worker opens them (they live on the training machine, not where the config is composed)."""
 
     def __post_init__(self) -> None:
-        _choice("data.name", self.name, ("synthetic_images", "mock_text", "webdataset"))
-        _choice("data.realism", self.realism, ("mock_text", "synthetic_images", "real_images"))
         if not 0.0 < self.min_text_fraction <= 1.0:
             raise ConfigFieldError(f"data.min_text_fraction={self.min_text_fraction} must be in (0, 1]")
 
@@ -396,7 +395,7 @@ def shortest_decoder_sample(model: ModelConf, data: DataConf) -> int:
 @dataclass(kw_only=True)
 class HardwareConf:
     name: str = "cpu"
-    device: str = "cpu"
+    device: Device = Device.cpu
     peak_bf16_tflops: float | None = None
     """Dense bf16 peak per GPU (datasheet); None on the CPU, where a matmul peak is measured at start."""
     memory_gib: float = 16.0
@@ -407,7 +406,6 @@ class HardwareConf:
     capability 9.0, or 8.9 with CUDA 12.1); ``train.precision=fp8`` is rejected where false."""
 
     def __post_init__(self) -> None:
-        _choice("hardware.device", self.device, ("cpu", "cuda"))
         _positive("hardware.peak_bf16_tflops", self.peak_bf16_tflops)
         _positive("hardware.memory_gib", self.memory_gib)
         _positive("hardware.gpus_per_node", self.gpus_per_node)
@@ -417,12 +415,11 @@ class HardwareConf:
 
 @dataclass(kw_only=True)
 class LauncherConf:
-    name: str = "local"
+    name: Launcher = Launcher.local
     nproc_per_node: int = 1
     nnodes: int = 1
 
     def __post_init__(self) -> None:
-        _choice("launcher.name", self.name, ("local", "torchrun"))
         _positive("launcher.nproc_per_node", self.nproc_per_node)
         _positive("launcher.nnodes", self.nnodes)
 
@@ -434,17 +431,10 @@ class LauncherConf:
 @dataclass(kw_only=True)
 class TrackingConf:
     name: str = "none"
-    backend: str = "none"
+    backend: TrackingBackend = TrackingBackend.none
     tracking_uri: str | None = None
     """None: SQLite under the outputs folder."""
     experiment: str = "moe-vlm-sweep"
-
-    def __post_init__(self) -> None:
-        _choice("tracking.backend", self.backend, ("none", "mlflow"))
-
-
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
-"""Transformer Engine's FP8 scaling recipes for Hopper, by megatron-core's names (``fp8_utils.get_fp8_recipe``)."""
 
 
 @dataclass(kw_only=True)
@@ -479,17 +469,17 @@ class TrainConf:
     timeout_s: float = 600.0
     seed: int = 1234
     lr: float = 1e-3
-    precision: str = "auto"
+    precision: Precision = Precision.auto
     """``auto``: bf16 on GPU, fp32 on the CPU. ``fp8``: bf16 parameters and activations, with the decoder's
     Transformer Engine GEMMs in FP8 (megatron-core's ``fp8="hybrid"``: E4M3 forward, E5M2 gradients) under
     ``fp8_recipe``; the vision encoder, the projector, the embedding, the output layer and the router stay bf16.
     It changes the numerics, so it is a recipe field (``config/recipe.py``)."""
-    fp8_recipe: str = "delayed"
+    fp8_recipe: Fp8Recipe = Fp8Recipe.delayed
     """With ``precision=fp8``: Transformer Engine's scaling recipe as megatron-core names it
     (``TransformerConfig.fp8_recipe``): ``delayed`` (one scale per tensor from past steps' amax), ``tensorwise``
     (per-tensor current scaling, ``Float8CurrentScaling``) or ``blockwise`` (1x128 / 128x128 block scales,
     ``Float8BlockScaling``, CUDA 12.9+). Hopper's recipes only: ``mxfp8`` needs Blackwell."""
-    transformer_impl: str = "auto"
+    transformer_impl: TransformerImpl = TransformerImpl.auto
     """``auto``: Transformer Engine specs on GPU, local specs on the CPU."""
 
     def __post_init__(self) -> None:
@@ -502,9 +492,6 @@ class TrainConf:
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.timeout_s", self.timeout_s)
         _positive("train.lr", self.lr)
-        _choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp8"))
-        _choice("train.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        _choice("train.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine"))
 
     def resolved_precision(self, device: str) -> str:
         """The dtype parameters and activations are kept in: ``fp8`` runs keep them in bf16 (``fp8_in_use``

@@ -8,21 +8,10 @@ sets 1.0: mock loaders pack full sequences). Realism ``mock_text``: never ranked
 
 from __future__ import annotations
 
-from moe_vlm_sweep.config.schema import DataConf, ModelConf, row_layout
 from moe_vlm_sweep.data.synthetic import SyntheticRows
 
 
 class MockText(SyntheticRows):
-    realism = "mock_text"
+    """The multimodal run's decoder sequence as text ids, with no images (``row_layout``)."""
 
-    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
-        images, row = row_layout(model, data)
-        super().__init__(
-            model,
-            data,
-            micro_batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            images_per_sample=images,
-            row_length=row,
-        )
+    realism = "mock_text"

@@ -19,20 +19,12 @@ __all__ = ["FIRST_TEXT_ID", "IMAGE_TOKEN_INDEX", "PAD_TOKEN_ID", "MicroBatch", "
 
 
 class SyntheticRows:
-    """Deterministic random rows of ``row_length`` ids after ``images_per_sample`` random images; the shared
-    part of ``synthetic_images`` and ``mock_text``. ``fixed_batch`` makes every step see step 0's batch."""
+    """Deterministic random rows of ``row_length`` ids after ``images_per_sample`` random images, as
+    ``row_layout`` lays out ``data.name``; the shared part of ``synthetic_images`` and ``mock_text``.
+    ``fixed_batch`` makes every step see step 0's batch."""
 
-    def __init__(
-        self,
-        model: ModelConf,
-        data: DataConf,
-        *,
-        micro_batch_size: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        images_per_sample: int,
-        row_length: int,
-    ):
+    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+        images_per_sample, row_length = row_layout(model, data)
         if row_length < images_per_sample + MIN_TEXT_IDS:
             raise ValueError(
                 f"model.text_tokens={row_length} must leave room for model.images_per_sample="
@@ -77,15 +69,3 @@ class SyntheticImages(SyntheticRows):
     """Random pixels at the model's image size and count; captions of variable length within ``text_tokens``."""
 
     realism = "synthetic_images"
-
-    def __init__(self, model: ModelConf, data: DataConf, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
-        images, row = row_layout(model, data)
-        super().__init__(
-            model,
-            data,
-            micro_batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            images_per_sample=images,
-            row_length=row,
-        )

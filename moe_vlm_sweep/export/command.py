@@ -13,51 +13,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import optuna
-
 from moe_vlm_sweep.config.compose import exports_dir
 from moe_vlm_sweep.export import recipes
 from moe_vlm_sweep.export.best import ExportError, export, realism_of
 from moe_vlm_sweep.export.confirm import CONFIRM_FILE, confirm
 from moe_vlm_sweep.export.confirm import table as confirm_table
+from moe_vlm_sweep.export.study_args import add_study_arguments, load_study
 from moe_vlm_sweep.sweep.budget import TimeBudget
 from moe_vlm_sweep.sweep.progress import table
 from moe_vlm_sweep.sweep.spec import SweepSpecError
-from moe_vlm_sweep.sweep.study import StorageError, open_storage
-
-
-def _find_study(outputs: Path, name: str | None, storage: str | None) -> tuple[str, str]:
-    """(study name, storage URL): the given ones, or the single study under ``outputs/sweeps``."""
-    if storage is None and name is not None:
-        db = outputs / "sweeps" / name / "optuna.db"
-        if not db.is_file():
-            found = ", ".join(p.parent.name for p in sorted((outputs / "sweeps").glob("*/optuna.db"))) or "none"
-            raise ExportError(
-                f"no study {name!r} under {outputs / 'sweeps'} (studies there: {found}); name one of "
-                "them, or give --storage URL for a study kept elsewhere"
-            )
-        storage = f"sqlite:///{db.resolve()}"
-    if storage is not None:
-        if name is None:
-            names = optuna.get_all_study_names(storage=open_storage(storage))
-            if len(names) != 1:
-                raise ExportError(f"{storage} holds {len(names)} studies ({', '.join(names)}); name one")
-            name = names[0]
-        return name, storage
-    dbs = sorted((outputs / "sweeps").glob("*/optuna.db"))
-    if len(dbs) != 1:
-        found = ", ".join(p.parent.name for p in dbs) or "none"
-        raise ExportError(
-            f"{len(dbs)} studies under {outputs / 'sweeps'} ({found}); say which: moe-vlm-sweep best STUDY"
-        )
-    return dbs[0].parent.name, f"sqlite:///{dbs[0].resolve()}"
+from moe_vlm_sweep.sweep.study import StorageError
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="moe-vlm-sweep best", description=__doc__.splitlines()[0])
-    parser.add_argument("study", nargs="?", help="study name (default: the only one under OUTPUTS/sweeps)")
-    parser.add_argument("--storage", help="Optuna storage URL (default: OUTPUTS/sweeps/STUDY/optuna.db)")
-    parser.add_argument("--outputs", default="outputs", help="outputs folder (default: outputs)")
+    add_study_arguments(parser)
     parser.add_argument("--top", type=int, default=3, help="how many trials to export (default: 3)")
     parser.add_argument(
         "--confirm",
@@ -89,8 +59,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     outputs = Path(args.outputs)
     try:
-        name, storage = _find_study(outputs, args.study, args.storage)
-        study = optuna.load_study(study_name=name, storage=open_storage(storage))
+        name, _, study = load_study(outputs, args.study, args.storage)
         sweep_dir = outputs / "sweeps" / name
         held = None
         if args.confirm:
@@ -127,11 +96,6 @@ def main(argv: Sequence[str]) -> int:
         )
         realism = realism_of([e.trial for e in exported])
         mixed = recipes.note(study, recipes.chosen(study, args.recipe), explicit=args.recipe is not None)
-    except KeyError:
-        print(
-            f"error: no study {name!r} in {storage}; list them with optuna studies --storage {storage}", file=sys.stderr
-        )
-        return 2
     except (ExportError, SweepSpecError, StorageError, recipes.RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -199,25 +199,18 @@ def write_report(study: optuna.Study, out: Path, *, top_k: int = 5, links: Seque
 
 
 def main(argv: Sequence[str]) -> int:
-    from moe_vlm_sweep.export.command import _find_study
-    from moe_vlm_sweep.sweep.study import open_storage
+    from moe_vlm_sweep.export.study_args import add_study_arguments, load_study
     from moe_vlm_sweep.tracking.mlflow_sink import default_uri, log_report
 
     parser = argparse.ArgumentParser(prog="moe-vlm-sweep report", description=__doc__.splitlines()[0])
-    parser.add_argument("study", nargs="?", help="study name (default: the only one under OUTPUTS/sweeps)")
-    parser.add_argument("--storage", help="Optuna storage URL (default: OUTPUTS/sweeps/STUDY/optuna.db)")
-    parser.add_argument("--outputs", default="outputs", help="outputs folder (default: outputs)")
+    add_study_arguments(parser)
     parser.add_argument("--top", type=int, default=5, help="trials in the top configs table (default: 5)")
     parser.add_argument("--experiment", default="moe-vlm-sweep", help="MLflow experiment (tracking.experiment)")
     parser.add_argument("--out", help="folder for index.html and the PNGs (default: OUTPUTS/sweeps/STUDY/report)")
     args = parser.parse_args(list(argv))
     outputs = Path(args.outputs)
     try:
-        name, storage = _find_study(outputs, args.study, args.storage)
-        study = optuna.load_study(study_name=name, storage=open_storage(storage))
-    except KeyError:
-        print(f"error: no study {args.study!r} in {args.storage}", file=sys.stderr)
-        return 2
+        name, storage, study = load_study(outputs, args.study, args.storage)
     except (ExportError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,10 +21,9 @@ import optuna
 import yaml
 
 from moe_vlm_sweep.export.best import ExportError, ranked
-from moe_vlm_sweep.export.command import _find_study
 from moe_vlm_sweep.export.recipes import RecipeError
+from moe_vlm_sweep.export.study_args import add_study_arguments, load_study
 from moe_vlm_sweep.export.verify import DEFAULT_STEPS, VerifyError, verify
-from moe_vlm_sweep.sweep.study import open_storage
 
 
 def study_pair(study: optuna.Study, sweep_dir: Path) -> tuple[int, list[str], list[str]]:
@@ -51,15 +50,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("target", nargs="*", help="a study name, or the candidate's overrides")
     parser.add_argument("--against", nargs="+", metavar="OVERRIDE", help="the reference's overrides")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"steps per run (default {DEFAULT_STEPS})")
-    parser.add_argument("--outputs", default="outputs", help="outputs folder (default: outputs)")
-    parser.add_argument("--storage", help="Optuna storage URL of the study (default: OUTPUTS/sweeps/STUDY/optuna.db)")
+    add_study_arguments(parser, positional=False)
     args = parser.parse_args(list(argv))
     outputs = Path(args.outputs)
     study_name: str | None = None
     try:
         if (len(args.target) == 1 and "=" not in args.target[0]) or (not args.target and args.storage):
-            name, storage = _find_study(outputs, args.target[0] if args.target else None, args.storage)
-            study = optuna.load_study(study_name=name, storage=open_storage(storage))
+            name, _, study = load_study(outputs, args.target[0] if args.target else None, args.storage)
             number, candidate, first = study_pair(study, outputs / "sweeps" / name)
             reference = args.against or first
             study_name, out_dir = name, outputs / "sweeps" / name / "verify"

@@ -20,6 +20,7 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from moe_vlm_sweep.config.compose import choice_error
 from moe_vlm_sweep.metrics.schema import Metrics
 from moe_vlm_sweep.sweep.space import Param, Space, format_value
 from moe_vlm_sweep.sweep.spec import ObjectiveConf, SweepSpecError
@@ -69,7 +70,11 @@ def check_objective(objective: ObjectiveConf) -> None:
 
 def _reason(exc: BaseException) -> str:
     """Hydra's message without its hint to append with ``+`` (a misspelled knob wants fixing, not adding), with
-    the cause (``Key 'mbss' not in 'BatchConf'``, ``Value 'two' ... could not be converted to Integer``)."""
+    the cause (``Key 'mbss' not in 'BatchConf'``, ``Value 'two' ... could not be converted to Integer``); a value
+    outside a closed choice in the config's own words."""
+    choice = choice_error(exc.__cause__) or choice_error(exc)
+    if choice is not None:
+        return choice
     lines = [
         line.strip()
         for line in str(exc).strip().splitlines()
