@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import platform
 import resource
@@ -32,6 +33,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from moe_vlm_sweep.console import configure_logging, say
 from moe_vlm_sweep.launch.lifeline import watch_launcher
 from moe_vlm_sweep.launch.local import ALLOC_CONF_ENVS, SERVE_FLAG
 from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
@@ -54,6 +56,8 @@ from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.train.contention import describe, gathered_contention, gathered_probe
 from moe_vlm_sweep.train.oom import is_out_of_memory, memory_state
 from moe_vlm_sweep.train.steps import cv
+
+logger = logging.getLogger(__name__)
 
 GRADIENT_ACCUMULATION_NEEDS_APEX = (
     "fusions.gradient_accumulation=true needs APEX's fused_weight_gradient_mlp_cuda extension, which is not "
@@ -459,13 +463,12 @@ def run(run_dir: Path) -> None:
         metrics = build_metrics(plan, result, peak, memory, clock.seconds, scope)
         metrics.contended, metrics.contention = bool(contention.processes), contention
         path = write_metrics(run_dir, metrics)
-        print(
+        say(
             f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
-            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
-            flush=True,
+            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}"
         )
         if metrics.contended:
-            print(f"[worker] contended measurement: {describe(contention.processes)}", flush=True)
+            logger.warning("contended measurement: %s", describe(contention.processes))
 
 
 _current_step: int | None = None
@@ -504,9 +507,10 @@ def main(argv: list[str]) -> int:
     skip_jax()
     if len(argv) >= 2 and argv[1] == SERVE_FLAG:
         return serve([*PRELOAD, *argv[2:]], main)
+    configure_logging(prefix="[worker] ")
     watch_launcher()
     if len(argv) != 2:
-        print("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", file=sys.stderr)
+        say("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", err=True)
         return 2
     run_dir = Path(argv[1])
     try:
@@ -514,7 +518,7 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:
         rank = int(os.environ.get("RANK", "0"))
         tb = traceback.format_exc()
-        print(tb, file=sys.stderr, flush=True)
+        logger.error("rank %d failed:\n%s", rank, tb.rstrip())
         memory = memory_state()  # the failed step's tensors are still alive: the traceback holds their frames
         write_failure(  # the first rank's cause is failure.json; a peer's broken pipe goes beside it
             run_dir,
