@@ -20,7 +20,6 @@ import logging
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -152,27 +151,22 @@ def _fp8_support(fp8_recipe: str) -> list[str]:
     return problems
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(plan: RunPlan) -> None:
     """torch.distributed from torchrun's env (or a world of one), then megatron's groups, seeds, micro-batches."""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-        )
+    store = None
+    if "RANK" not in os.environ:  # a world of one rendezvous in its own memory: no port to find, none to lose
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        store = dist.HashStore()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if plan.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = timedelta(seconds=plan.run_config.train.timeout_s)
-    dist.init_process_group("nccl" if plan.device == "cuda" else "gloo", rank=rank, world_size=world, timeout=timeout)
+    backend = "nccl" if plan.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     p, cfg = plan.layout, plan.run_config
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
