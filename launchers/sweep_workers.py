@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import shutil
 import signal
 import subprocess
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     jobs = executor.map_array(SweepWorker(), argvs)
     for job, argv_i in zip(jobs, argvs):
-        say(f"worker {job.job_id}: moe-vlm-sweep run -m {' '.join(argv_i)}")
+        say(f"worker {job.job_id}: {shlex.join(['moe-vlm-sweep', 'run', '-m', *argv_i])}")
     if not args.wait:
         return 0
     failed = False
