@@ -15,6 +15,8 @@ job's time limit, less a margin, as ``sweep.time_budget_s``: it stops between tr
 from __future__ import annotations
 
 import argparse
+import logging
+import shlex
 import shutil
 import signal
 import subprocess
@@ -25,7 +27,10 @@ from typing import NoReturn
 import submitit
 
 from moe_vlm_sweep.config.compose import CompositionError, compose_config
+from moe_vlm_sweep.console import configure_logging, say
 from moe_vlm_sweep.launch import slurm
+
+logger = logging.getLogger(__name__)
 
 GENERIC = {"timeout_min", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb", "name"}
 """submitit's executor-independent parameters (used by ``--cluster local`` too); any other ``--slurm key=value`` is
@@ -40,7 +45,7 @@ MARGIN_S = 300
 
 def refuse(message: str) -> NoReturn:
     """Invalid input: the message on stderr and exit 2, before anything is submitted."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    say(f"error: {message}", err=True)
     raise SystemExit(2)
 
 
@@ -128,10 +133,13 @@ def time_budget(overrides: list[str], timeout_min: int) -> list[str]:
     if given or (budget is not None and budget <= most):
         return []
     if budget is not None:
-        print(
-            f"the space's sweep.time_budget_s={budget:g} is capped at {most} s, the job's limit "
-            f"(timeout_min={timeout_min}) less the {MARGIN_S} s margin",
-            flush=True,
+        logger.warning(
+            "the space's sweep.time_budget_s=%g is capped at %s s, the job's limit (timeout_min=%s) less the %s s "
+            "margin",
+            budget,
+            most,
+            timeout_min,
+            MARGIN_S,
         )
     return [f"sweep.time_budget_s={most}"]
 
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", action="store_true", help="wait for every worker and report its exit status")
     parser.add_argument("overrides", nargs="+", help="the sweep command's overrides, after --")
     args = parser.parse_args(argv)
+    configure_logging()
     if args.workers < 1:
         parser.error(f"--workers={args.workers} must be >= 1")
     if args.cluster == "slurm" and not args.storage.startswith("postgresql"):
@@ -171,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     jobs = executor.map_array(SweepWorker(), argvs)
     for job, argv_i in zip(jobs, argvs):
-        print(f"worker {job.job_id}: moe-vlm-sweep run -m {' '.join(argv_i)}", flush=True)
+        say(f"worker {job.job_id}: {shlex.join(['moe-vlm-sweep', 'run', '-m', *argv_i])}")
     if not args.wait:
         return 0
     failed = False
@@ -182,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             code, status = None, f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         failed = failed or code != 0  # a signal's negative code is a failure too
-        print(f"worker {job.job_id}: {status} (log: {job.paths.stdout})", flush=True)
+        say(f"worker {job.job_id}: {status} (log: {job.paths.stdout})")
     return 1 if failed else 0
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from moe_vlm_sweep.console import configure_logging, say
+
 USAGE = "usage: moe-vlm-sweep COMMAND [ARGS]\n\n" + __doc__.split("\n\n", 1)[1].strip()
 EXIT_INVALID = 2
 HELP = {
@@ -43,7 +45,7 @@ With -m KNOB=a,b: Hydra's grid sweep, each point a run. Hydra's own flags: run -
 
 
 def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    say(f"error: {message}", err=True)
     return EXIT_INVALID
 
 
@@ -64,8 +66,8 @@ def check(overrides: Sequence[str]) -> int:
     planned = _plan(overrides)
     if isinstance(planned, int):
         return planned
-    print(describe(planned[0], preflight_notes(planned[0].run_config)))
-    print("valid")
+    say(describe(planned[0], preflight_notes(planned[0].run_config)))
+    say("valid")
     return 0
 
 
@@ -84,9 +86,9 @@ def run(overrides: Sequence[str]) -> int:
     plan, resolved_yaml = planned
     run_dir = new_run_dir(plan.run_config.outputs_dir)
     prepare(run_dir, plan, resolved_yaml)
-    print(f"run dir: {run_dir}", flush=True)
+    say(f"run dir: {run_dir}")
     result = launch(plan, run_dir)
-    print(summarize(result))
+    say(summarize(result))
     return 0 if result.ok else 1
 
 
@@ -118,15 +120,16 @@ COMMANDS = {"check": check, "run": run, "best": best, "verify": verify, "report"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        say(USAGE)
         return 0 if args else EXIT_INVALID
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         return _fail(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
     if command in HELP and rest[:1] in (["-h"], ["--help"]):
-        print(HELP[command])
+        say(HELP[command])
         return 0
     if command in ("check", "run"):
         from hydra.errors import HydraException

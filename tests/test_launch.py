@@ -11,12 +11,14 @@ import time
 
 import psutil
 import pytest
+import yaml
 from conftest import LONG, prepared, read_json
 from sweep_testing import WORKER, processes_under
 
 from moe_vlm_sweep.launch.lifeline import is_alive, start_ticks
 from moe_vlm_sweep.launch.local import cuda_alloc_conf, launch
 from moe_vlm_sweep.launch.result import RunResult
+from moe_vlm_sweep.launch.run_dir import overrides_yaml
 
 
 def _worker_pids(run_dir) -> list[int]:
@@ -121,3 +123,18 @@ def test_a_zombie_or_a_reused_pid_is_not_the_launcher():
 def test_the_config_owns_the_allocators_expandable_segments(inherited, expandable, expected):
     """The shell's other allocator settings pass through; its expandable_segments never decides a run's memory."""
     assert cuda_alloc_conf(inherited, expandable) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model=tiny", "train.steps=6"],
+        ["+tag='a b'", "x=[a, b]", 'name="it\'s"', "sweep.params.k=choice(1,2)", "k=" + "v" * 100 + " w"],
+    ],
+)
+def test_overrides_yaml_loads_back_to_the_overrides(overrides):
+    """Quotes, spaces and brackets inside an override survive (shell quoting is not YAML: ``'"'"'`` breaks it)."""
+    text = overrides_yaml(overrides)
+    assert yaml.safe_load(text) == overrides
+    assert len(text.splitlines()) == max(len(overrides), 1), "one override per line"

@@ -14,10 +14,15 @@ STAGES = ("config", "plan", "launch", "data", "model", "train", "metrics", "trac
 """The package's folders (and top-level modules) in the order data flows: Hydra config -> validated plan -> launched
 run (the worker trains on ``data`` a ``model`` it builds) -> metrics -> tracking -> sweep -> export; ``cli`` is the
 entry point over all of them. A module may import its own stage and earlier ones only."""
-CONTRACTS = {"moe_vlm_sweep.metrics.schema", "moe_vlm_sweep.launch.status", "moe_vlm_sweep.provenance"}
+CONTRACTS = {
+    "moe_vlm_sweep.metrics.schema",
+    "moe_vlm_sweep.launch.status",
+    "moe_vlm_sweep.provenance",
+    "moe_vlm_sweep.console",
+}
 """Modules any stage may import because they import nothing but the first stage's codec and each other: the result
-files' schema, which the worker writes and every later stage reads, the one run-status vocabulary, and the version
-and git facts every run records."""
+files' schema, which the worker writes and every later stage reads, the one run-status vocabulary, the version
+and git facts every run records, and where a user's output lines and log records go (console.py)."""
 CONTRACT_DEPENDENCIES = CONTRACTS | {"moe_vlm_sweep.config.codec"}
 """What a contract may import: the one dataclass codec (config/codec.py, standard library only) and contracts."""
 

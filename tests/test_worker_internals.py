@@ -223,3 +223,15 @@ def test_a_step_takes_as_long_as_its_slowest_rank(tmp_path):
     out = tmp_path / "times.json"
     mp.spawn(_slowest_of_two, args=(str(tmp_path / "store"), str(out)), nprocs=2)
     assert json.loads(out.read_text()) == [3.0, 5.0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 37])
+def test_step_time_deciles_match_numpys_percentiles(n):
+    """p10/p90 of metrics.json interpolate between the measured steps as NumPy's default does, one step included."""
+    import numpy as np
+
+    from moe_vlm_sweep.train.worker import _deciles
+
+    times = torch.rand(n, dtype=torch.float64).tolist()
+    expected = np.percentile(times, range(10, 100, 10))
+    assert np.allclose(_deciles(times), expected, rtol=0, atol=1e-12), (_deciles(times), expected)

@@ -17,7 +17,6 @@ import logging
 import random
 import shlex
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -36,6 +35,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from optuna.trial import TrialState
 
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.export.finish import SweepEnd, best_trial
 from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.launch.status import RunStatus
@@ -65,6 +65,8 @@ from moe_vlm_sweep.sweep.trial import (
     plan_trial,
     run_overrides,
 )
+
+logger = logging.getLogger(__name__)
 
 MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
@@ -175,11 +177,7 @@ class SweeperImpl(Sweeper):
             timeout_s=cfg.train.timeout_s,
         )
         if problems:  # invalid input: exit 2 with the knobs and the rules, no traceback (SystemExit passes Hydra)
-            print(
-                "error: the Slurm job (hydra.launcher) cannot hold this sweep's runs: " + "; ".join(problems),
-                file=sys.stderr,
-                flush=True,
-            )
+            say("error: the Slurm job (hydra.launcher) cannot hold this sweep's runs: " + "; ".join(problems), err=True)
             raise SystemExit(2)
 
     # --- resume -------------------------------------------------------------------------------------------
@@ -194,10 +192,9 @@ class SweeperImpl(Sweeper):
             self._tell(study, optuna.trial.Trial(study, trial._trial_id), outcome)
         except (RuntimeError, ValueError):
             return True  # another worker adopted it first
-        print(
+        say(
             f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone, but its run finished "
-            f"({outcome.failure_class}, {found.run_dir}); its result is kept",
-            flush=True,
+            f"({outcome.failure_class}, {found.run_dir}); its result is kept"
         )
         return True
 
@@ -217,19 +214,15 @@ class SweeperImpl(Sweeper):
             )
             if retry:
                 study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
-            print(
+            say(
                 f"resume: trial #{trial.number} was left RUNNING by a sweep that is gone; marked failed "
-                f"(interrupted){', re-queued once' if retry else ''}",
-                flush=True,
+                f"(interrupted){', re-queued once' if retry else ''}"
             )
         if spec.resume.stale == "retry":
             for trial in ledger.unretried_interrupts(study.get_trials(deepcopy=False)):
                 # A second signal ended the sweep between marking the trial and queuing it again.
                 study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
-                print(
-                    f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once",
-                    flush=True,
-                )
+                say(f"resume: trial #{trial.number} was interrupted and not yet queued again; re-queued once")
         for trial in ledger.unqueued_unclaimed(study.get_trials(deepcopy=False)):
             # Stopped before it claimed its enqueued params: nothing ran, so they are queued again for a new trial.
             carried: dict[str, Any] = {
@@ -240,13 +233,13 @@ class SweeperImpl(Sweeper):
                 user_attrs={**carried, "requeue_of": trial.number},
                 skip_if_exists=False,
             )
-            print(f"resume: trial #{trial.number} was stopped before it claimed its config; re-queued", flush=True)
+            say(f"resume: trial #{trial.number} was stopped before it claimed its config; re-queued")
         if self.tracker is not None:
             finished = study.get_trials(deepcopy=False, states=ledger.FINISHED)
             interrupted = {k for k in study.user_attrs if k.startswith("interrupted.")}
             fixed = self.tracker.reconcile(finished, lambda t: self._describe(t, interrupted))
             if fixed:
-                print(f"resume: closed or added {fixed} MLflow child run(s) so MLflow matches the study", flush=True)
+                say(f"resume: closed or added {fixed} MLflow child run(s) so MLflow matches the study")
 
     @staticmethod
     def _describe(trial: optuna.trial.FrozenTrial, interrupted: set) -> tuple[str, dict, dict]:
@@ -304,7 +297,7 @@ class SweeperImpl(Sweeper):
         on_host = self.project and not slurm.is_submitit(self.config.hydra.launcher)
         gpus = plan.run_config.launcher.nproc_per_node if plan and plan.device == "cuda" else 0
         devices = (
-            devices_held(gpus=gpus, say=lambda line: print(f"[trial #{trial.number}] {line}", flush=True))
+            devices_held(gpus=gpus, say=lambda line: logger.info("[trial #%d] %s", trial.number, line))
             if on_host
             else contextlib.nullcontext("")
         )
@@ -379,10 +372,11 @@ class SweeperImpl(Sweeper):
                 run_id, failure_class=outcome.failure_class, tags=tags, metrics=outcome.metrics, run_dir=outcome.run_dir
             )
             if problem:
-                print(
-                    f"warning: trial #{trial.number}'s MLflow run could not be logged whole ({problem}); it is "
-                    "marked FAILED there, and the study keeps the trial's result",
-                    flush=True,
+                logger.warning(
+                    "trial #%d's MLflow run could not be logged whole (%s); it is marked FAILED there, and the "
+                    "study keeps the trial's result",
+                    trial.number,
+                    problem,
                 )
 
     def _tell_unless_finished(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome) -> None:
@@ -416,13 +410,14 @@ class SweeperImpl(Sweeper):
             try:
                 allowed = check_recipe(space, spec.allow_recipe_changes, CONF_DIR)
             except SweepSpecError as exc:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+                say(f"error: {exc}", err=True)
                 raise SystemExit(2) from None
             for key, fields in allowed.items():
-                print(
-                    f"sweep: sweep.params.{key} may change the recipe ({', '.join(fields)}; allowed by "
-                    "sweep.allow_recipe_changes): each recipe is ranked separately",
-                    flush=True,
+                logger.info(
+                    "sweep.params.%s may change the recipe (%s; allowed by sweep.allow_recipe_changes): each "
+                    "recipe is ranked separately",
+                    key,
+                    ", ".join(fields),
                 )
         return space, first
 
@@ -440,14 +435,14 @@ class SweeperImpl(Sweeper):
             self._interrupted(stop)
             raise SystemExit(128 + stop.signum) from None
         except (SweepSpecError, StorageError) as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            say(f"error: {exc}", err=True)
             raise SystemExit(EXIT_INVALID) from None
         except SweepError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            say(f"error: {exc}", err=True)
             raise SystemExit(EXIT_STOPPED) from None
         except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
             url = self.storage or ""
-            print(f"error: {storage_problem(exc.__cause__ or exc, url)}", file=sys.stderr, flush=True)
+            say(f"error: {storage_problem(exc.__cause__ or exc, url)}", err=True)
             raise SystemExit(EXIT_INVALID) from None
         finally:
             for sig, handler in (handlers or {}).items():
@@ -484,7 +479,7 @@ class SweeperImpl(Sweeper):
                 self.tracker.close_sweep("KILLED")
         except Exception as exc:
             where += f" (could not record it all: {type(exc).__name__}; the next run recovers it)"
-        print(f"sweep: stopped by {stop}{where}. Resume with: {self._resume_command()}", file=sys.stderr, flush=True)
+        say(f"sweep: stopped by {stop}{where}. Resume with: {self._resume_command()}", err=True)
 
     def _sweep(self, arguments: list[str]) -> Any:
         spec = self.spec = load_spec(self.config.get("sweep"))
@@ -511,11 +506,10 @@ class SweeperImpl(Sweeper):
             study.set_metric_names(spec.objective.metrics)
         self.tracker = self._open_tracker(name, url) if self.project else None
         where = url or "in memory (set sweep.storage to keep it)"
-        print(
+        say(
             f"sweep: study {name} ({spec.n_trials} trials, {' and '.join(spec.objective.directions)} "
             f"{' and '.join(spec.objective.metrics)})\n  optuna storage: {where}"
-            + (f"\n  mlflow: {self.tracker.tracking_uri} (moe-vlm-sweep ui)" if self.tracker else ""),
-            flush=True,
+            + (f"\n  mlflow: {self.tracker.tracking_uri} (moe-vlm-sweep ui)" if self.tracker else "")
         )
         self._recover(study, spec)
         if len(ledger.counted(study.get_trials(deepcopy=False))) < spec.n_trials:
@@ -533,10 +527,7 @@ class SweeperImpl(Sweeper):
             if done + len(ledger.in_flight(trials, spec.resume.stale_after_s)) >= spec.n_trials:
                 break
             if not self.budget.allows():
-                print(
-                    f"sweep: stopping at {done}/{spec.n_trials} trials: {self.budget.why_not('another trial')}",
-                    flush=True,
-                )
+                say(f"sweep: stopping at {done}/{spec.n_trials} trials: {self.budget.why_not('another trial')}")
                 return self._finish(study, spec, sweep_dir)
             with exploring(study, explorer, now=duplicates_in_a_row > 0):
                 trial = self.current = study.ask()
@@ -581,7 +572,7 @@ class SweeperImpl(Sweeper):
             done_now = len(ledger.counted(study.get_trials(deepcopy=False)))
             if self.tracker is not None and best is not None and outcome.ok:
                 self.tracker.log_best(done_now, dict(zip(spec.objective.metrics, best.values)))
-            print(
+            say(
                 progress.trial_line(
                     done=done_now,
                     total=spec.n_trials,
@@ -595,8 +586,7 @@ class SweeperImpl(Sweeper):
                     proposed_as=trial.user_attrs.get("proposed_as", ""),
                     left=progress.time_left(self.trial_seconds, spec.n_trials - done_now),
                     contended=outcome.contention,
-                ),
-                flush=True,
+                )
             )
             if self.stop_reason:
                 self._finish(study, spec, sweep_dir, status="FAILED")

@@ -11,7 +11,6 @@ recipes (``export/recipes.py``): one recipe is ranked, the baseline's unless ano
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from moe_vlm_sweep.config.compose import CONF_DIR
 from moe_vlm_sweep.export import recipes
-from moe_vlm_sweep.launch.run_dir import rerun_command, write_atomic
+from moe_vlm_sweep.launch.run_dir import overrides_yaml, rerun_command, write_atomic
 from moe_vlm_sweep.sweep.trial import CONTENDED_ATTR, is_contended
 
 
@@ -142,7 +141,7 @@ def export(
             stale.unlink()
     if exported:
         best = exported[0]
-        write_atomic(out / "overrides.yaml", "".join(f"- {shlex.quote(o)}\n" for o in best.overrides) or "[]\n")
+        write_atomic(out / "overrides.yaml", overrides_yaml(best.overrides))
         write_atomic(
             out / "command.sh",
             f"#!/bin/sh\n# Best trial #{best.trial.number} of {study.study_name}.\n"

@@ -9,11 +9,11 @@ finished re-runs and goes on.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from moe_vlm_sweep.config.compose import exports_dir
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.export import recipes
 from moe_vlm_sweep.export.best import ExportError, export, realism_of
 from moe_vlm_sweep.export.confirm import CONFIRM_FILE, confirm
@@ -51,10 +51,10 @@ def main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(list(argv))
     if args.time_budget_s is not None and (not args.confirm or args.time_budget_s <= 0):
-        print(
+        say(
             f"error: --time-budget-s={args.time_budget_s:g} bounds --confirm re-runs: it needs --confirm N "
             "and a positive number of seconds",
-            file=sys.stderr,
+            err=True,
         )
         return 2
     outputs = Path(args.outputs)
@@ -63,28 +63,27 @@ def main(argv: Sequence[str]) -> int:
         sweep_dir = outputs / "sweeps" / name
         held = None
         if args.confirm:
-            print(
+            say(
                 f"confirm: re-running the top {args.top} trial(s) {args.confirm} time(s) each under "
-                f"{sweep_dir / 'confirm'}",
-                flush=True,
+                f"{sweep_dir / 'confirm'}"
             )
             confirmation = confirm(
                 study,
                 sweep_dir=sweep_dir,
                 top_k=args.top,
                 repeats=args.confirm,
-                progress=lambda line: print(line, flush=True),
+                progress=say,
                 budget=TimeBudget(args.time_budget_s, knob="--time-budget-s"),
                 recipe=args.recipe,
             )
             if not confirmation.complete:
-                print(f"confirmation: stopped: {confirmation.stopped}", flush=True)
+                say(f"confirmation: stopped: {confirmation.stopped}")
                 return 3
             held = confirmation.winner
             if confirmation.candidates:
-                print(f"\n{confirm_table(confirmation)}\n  details: {sweep_dir / 'best' / CONFIRM_FILE}\n")
+                say(f"\n{confirm_table(confirmation)}\n  details: {sweep_dir / 'best' / CONFIRM_FILE}\n")
             if confirmation.candidates and held is None:
-                print("error: no candidate held: each had a failed re-run; nothing exported", file=sys.stderr)
+                say("error: no candidate held: each had a failed re-run; nothing exported", err=True)
                 return 1
         exported = export(
             study,
@@ -97,18 +96,18 @@ def main(argv: Sequence[str]) -> int:
         realism = realism_of([e.trial for e in exported])
         mixed = recipes.note(study, recipes.chosen(study, args.recipe), explicit=args.recipe is not None)
     except (ExportError, SweepSpecError, StorageError, recipes.RecipeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}", err=True)
         return 2
     if not exported:
-        print(f"error: study {name} has no successful trial yet", file=sys.stderr)
+        say(f"error: study {name} has no successful trial yet", err=True)
         return 1
     metrics = study.user_attrs.get("objective_metrics", [f"value{i}" for i in range(len(study.directions))])
-    print(table([e.trial for e in exported], metrics, realism=realism))
+    say(table([e.trial for e in exported], metrics, realism=realism))
     if mixed:
-        print(mixed)
+        say(mixed)
     held_median = held.median_values if held else None  # the held candidate succeeded every repeat: it has them
     how = f", confirmed: median {held_median[0]:.4g} over {args.confirm} re-run(s)" if held_median else ""
-    print(
+    say(
         f"\nbest: trial #{exported[0].trial.number} (data realism {realism}{how})\n  {exported[0].command}\n"
         f"  files: {sweep_dir / 'best'}, {exports_dir(outputs) / 'experiment' / exported[0].experiment}.yaml"
     )

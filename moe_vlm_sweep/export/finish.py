@@ -17,6 +17,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from moe_vlm_sweep.config.compose import exports_dir
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.export.best import ExportError, confirmed_export, export, ranked, realism_of
 from moe_vlm_sweep.export.recipes import chosen, note
 from moe_vlm_sweep.plan.plan import RunPlan
@@ -26,10 +27,6 @@ from moe_vlm_sweep.sweep.spec import SweepConf
 
 if TYPE_CHECKING:
     from moe_vlm_sweep.tracking.mlflow_sink import SweepTracker
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -63,10 +60,10 @@ class SweepEnd:
         study, spec, sweep_dir = self.study, self.spec, self.sweep_dir
         top = ranked(study)[: spec.top_k]
         realism = realism_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-        _say(progress.table(top, spec.objective.metrics, realism=realism))
+        say(progress.table(top, spec.objective.metrics, realism=realism))
         mixed = note(study, chosen(study))
         if mixed:
-            _say(mixed)
+            say(mixed)
         if self.project and top and sweep_dir is not None and self.outputs_dir is not None:
             held = self.confirm() if confirm and spec.confirm else None
             try:
@@ -74,11 +71,11 @@ class SweepEnd:
             except ExportError as exc:
                 kept, unreadable = None, exc
             if held is False:
-                _say("confirmation: no candidate held (each had a failed re-run); nothing exported")
+                say("confirmation: no candidate held (each had a failed re-run); nothing exported")
             elif unreadable is not None:
-                _say(f"best: not exported: {unreadable}")
+                say(f"best: not exported: {unreadable}")
             elif kept is not None:
-                _say(
+                say(
                     f"best: trial #{kept} stays exported (it held in an earlier confirmation); this run's "
                     f"unconfirmed best is #{top[0].number}"
                 )
@@ -91,7 +88,7 @@ class SweepEnd:
                     confirmed=held,
                 )
                 unconfirmed = " (unconfirmed)" if held is None and spec.confirm else ""
-                _say(
+                say(
                     f"best: trial #{exported[0].trial.number}{unconfirmed}; re-run it with: {exported[0].command}\n"
                     f"  overrides and commands of the top {len(exported)}: {sweep_dir / 'best'}"
                 )
@@ -109,20 +106,20 @@ class SweepEnd:
 
         spec = self.spec
         assert self.sweep_dir is not None  # finish() confirms only a sweep with a folder
-        _say(f"confirm: re-running the top {spec.top_k} trial(s) {spec.confirm} time(s) each")
+        say(f"confirm: re-running the top {spec.top_k} trial(s) {spec.confirm} time(s) each")
         confirmation = confirm(
             self.study,
             sweep_dir=self.sweep_dir,
             top_k=spec.top_k,
             repeats=spec.confirm,
-            progress=_say,
+            progress=say,
             plan=self.plan,
             budget=self.budget,
         )
         if not confirmation.complete:
-            _say(f"confirmation: postponed: {confirmation.stopped}")
+            say(f"confirmation: postponed: {confirmation.stopped}")
             return None
-        _say(table(confirmation))
+        say(table(confirmation))
         winner = confirmation.winner
         if self.tracker is not None:
             self.tracker.log_sweep(
@@ -145,15 +142,15 @@ class SweepEnd:
         verdict_tags: dict[str, Any]
         if first.number == winner.number:
             verdict_tags = {"moe_vlm_sweep.verify": "baseline"}
-            _say(f"verify: the winner is the study's first trial #{first.number}: nothing to compare")
+            say(f"verify: the winner is the study's first trial #{first.number}: nothing to compare")
         elif not budget.allows(3 * budget.slowest):
             verdict_tags = {"moe_vlm_sweep.verify": "postponed"}
-            _say(
+            say(
                 f"verify: postponed: {budget.why_not('its three runs', 3 * budget.slowest, 'three trials')}"
                 f"; run it later: moe-vlm-sweep verify {study.study_name}"
             )
         else:
-            _say(
+            say(
                 f"verify: trial #{winner.number} against the study's first trial #{first.number} "
                 f"({spec.verify_steps} steps each; sweep.verify=false skips)"
             )
@@ -164,13 +161,13 @@ class SweepEnd:
                     steps=spec.verify_steps,
                     out_dir=self.sweep_dir / "verify",
                     plan=self.plan,
-                    progress=_say,
+                    progress=say,
                 )
             except VerifyError as exc:
-                _say(f"verify: ERROR: {exc}")
+                say(f"verify: ERROR: {exc}")
                 verdict_tags = {"moe_vlm_sweep.verify": "error"}
             else:
-                _say(verdict.summary())
+                say(verdict.summary())
                 verdict_tags = {
                     "moe_vlm_sweep.verify": verdict.status,
                     "moe_vlm_sweep.verify_max_loss_deviation": verdict.max_deviation,
@@ -191,9 +188,9 @@ class SweepEnd:
             if self.tracker is not None:
                 self.tracker.log_sweep_files(out, REPORT_DIR)
         except Exception as exc:
-            _say(
+            say(
                 f"warning: the report could not be written ({type(exc).__name__}: {exc}); "
                 f"moe-vlm-sweep report {self.study.study_name} tries again"
             )
             return
-        _say(f"report: {path}")
+        say(f"report: {path}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.export.best import ExportError, ranked
 from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.metrics.schema import read_metrics
@@ -212,7 +212,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         name, storage, study = load_study(outputs, args.study, args.storage)
     except (ExportError, StorageError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}", err=True)
         return 2
     links = [
         f"moe-vlm-sweep ui --outputs {outputs}   # MLflow: the study's parent run and a child per trial",
@@ -221,5 +221,5 @@ def main(argv: Sequence[str]) -> int:
     out = Path(args.out) if args.out else outputs / "sweeps" / name / REPORT_DIR
     path = write_report(study, out, top_k=args.top, links=links)
     logged = log_report(tracking_uri=default_uri(outputs), experiment=args.experiment, study_name=name, folder=out)
-    print(f"report: {path}" + (f"\n  also the artifacts {REPORT_DIR}/ of MLflow run {logged}" if logged else ""))
+    say(f"report: {path}" + (f"\n  also the artifacts {REPORT_DIR}/ of MLflow run {logged}" if logged else ""))
     return 0

@@ -13,13 +13,13 @@ Exit 0: the candidate's loss stays within the tolerance at every step; 1: it doe
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import optuna
 import yaml
 
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.export.best import ExportError, ranked
 from moe_vlm_sweep.export.recipes import RecipeError
 from moe_vlm_sweep.export.study_args import add_study_arguments, load_study
@@ -60,21 +60,18 @@ def main(argv: Sequence[str]) -> int:
             number, candidate, first = study_pair(study, outputs / "sweeps" / name)
             reference = args.against or first
             study_name, out_dir = name, outputs / "sweeps" / name / "verify"
-            print(
+            say(
                 f"verify: trial #{number} of {name} against "
-                + ("the given overrides" if args.against else "the study's first trial"),
-                flush=True,
+                + ("the given overrides" if args.against else "the study's first trial")
             )
         else:
             if not args.against:
                 raise VerifyError("verify OVERRIDES needs --against OVERRIDES (the reference config)")
             candidate, reference, out_dir = list(args.target), list(args.against), outputs / "verify"
-        verdict = verify(
-            candidate, reference, steps=args.steps, out_dir=out_dir, progress=lambda line: print(line, flush=True)
-        )
+        verdict = verify(candidate, reference, steps=args.steps, out_dir=out_dir, progress=say)
     except (VerifyError, ExportError, RecipeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}", err=True)
         return 2
-    print(verdict.summary())
-    print(f"  record: {out_dir / 'verify.json'}" + (f" (study {study_name})" if study_name else ""))
+    say(verdict.summary())
+    say(f"  record: {out_dir / 'verify.json'}" + (f" (study {study_name})" if study_name else ""))
     return 0 if verdict.passed else 1

@@ -10,11 +10,13 @@ elsewhere the worker runs unwatched.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 LAUNCHER_ENV = "MOE_VLM_SWEEP_LAUNCHER"
 WATCH_S = 1.0
@@ -52,11 +54,7 @@ def watch_launcher() -> None:
     def watch() -> None:
         while is_alive(identity):
             time.sleep(WATCH_S)
-        print(
-            f"worker: its launcher ({identity}) is gone; exiting so no orphan holds the device",
-            file=sys.stderr,
-            flush=True,
-        )
+        logger.warning("its launcher (%s) is gone; exiting so no orphan holds the device", identity)
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -9,6 +9,7 @@ the worker and ``result.json`` from the launcher.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shlex
@@ -16,6 +17,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from moe_vlm_sweep.plan.plan import RunPlan
 
@@ -47,9 +50,15 @@ def rerun_command(overrides: Sequence[str]) -> str:
     return shlex.join(["moe-vlm-sweep", "run", *overrides])
 
 
+def overrides_yaml(overrides: Sequence[str]) -> str:
+    """``overrides.yaml``: the overrides as a YAML list, as Hydra's own ``.hydra/overrides.yaml``, one per line
+    (no folding) so it reads like the command; any quotes or spaces inside an override survive a load."""
+    return yaml.safe_dump(list(overrides), default_flow_style=False, width=math.inf)
+
+
 def prepare(run_dir: Path, plan: RunPlan, resolved_yaml: str) -> None:
     write_atomic(run_dir / "config.yaml", resolved_yaml)
-    write_atomic(run_dir / "overrides.yaml", "".join(f"- {shlex.quote(o)}\n" for o in plan.overrides) or "[]\n")
+    write_atomic(run_dir / "overrides.yaml", overrides_yaml(plan.overrides))
     plan.write(run_dir / "plan.json")
     write_atomic(
         run_dir / "command.sh", "#!/bin/sh\n# Re-runs this exact config.\n" + rerun_command(plan.overrides) + "\n"

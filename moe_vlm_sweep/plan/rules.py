@@ -521,7 +521,7 @@ def _graphed_modules(cfg: RunConfig) -> set[str]:
     g = cfg.cuda_graph
     if g.impl not in ("local", "transformer_engine"):
         return set()
-    modules = set(g.modules)
+    modules: set[str] = {str(m) for m in g.modules}
     if g.impl == "local" and modules & {"moe_router", "moe_preprocess"}:
         modules |= {"moe_router", "moe_preprocess"}
     return modules

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_vlm_sweep.config.compose import CONF_DIR, with_searchpath
 from moe_vlm_sweep.config.store import register
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.result import RunResult
@@ -33,7 +34,7 @@ def task(cfg: DictConfig) -> RunResult:
     try:
         plan, resolved_yaml = plan_trial(cfg, list(hydra_cfg.overrides.task))
     except INVALID_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        say(f"error: {exc}", err=True)
         return RunResult(status=RunStatus.INVALID, reason=str(exc))
     run_dir = new_run_dir(plan.run_config.outputs_dir, prefix=f"job{hydra_cfg.job.num}")
     prepare(run_dir, plan, resolved_yaml)
@@ -41,7 +42,7 @@ def task(cfg: DictConfig) -> RunResult:
     # job (sweep/spec.py says why); stopped early if the sweeper says so.
     warm = bool(OmegaConf.select(cfg, "sweep.warm_host", default=True)) and not slurm.is_submitit(hydra_cfg.launcher)
     result = launch(plan, run_dir, warm=warm, watch=early_stop.active())
-    print(summarize(result), flush=True)
+    say(summarize(result))
     return result
 
 

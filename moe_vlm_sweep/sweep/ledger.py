@@ -14,6 +14,19 @@ Optuna stores the trials; these user attributes, written by the sweeper, give th
 
 A stale trial whose run finished anyway (the sweep was killed while its worker wrote the result) is found by its
 run directory (:func:`finished_run`) and its result kept, never measured again.
+
+Why not Optuna's own heartbeat (``RDBStorage(heartbeat_interval=..., grace_period=...,
+heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(...))`` with ``optuna.storages.fail_stale_trials``):
+it could take over the beat and the age test on SQL storages, and would judge age by the database's clock
+(``now()``) rather than each host's, so skewed clocks could not make a live trial look stale. It cannot take over
+the rest: its thread runs only inside ``study.optimize`` (the sweeper asks and tells, so it would beat by hand as
+here); ``JournalStorage`` and in-memory studies have no heartbeat; staleness is age only, so a killed sweep's trial
+on this host waits out the grace period instead of being seen dead at once by its pid; ``fail_stale_trials`` marks
+the trial FAIL with no word of why, where the sweeper first keeps a result the run finished anyway, then records
+it as interrupted (not failed) for MLflow and ``best``; and its retry callback re-queues every stale trial up to
+``max_retry`` times, keyed in system attributes, where a trial is re-run once and only if it had claimed its
+config (``claim``/``retry_of`` above, which :func:`counted` reads). Taking only the beat would split one trial's
+liveness between two places, so all of it stays here.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.sweep.trial import CONTENDED_ATTR, is_contended
 
 
@@ -59,7 +60,7 @@ class StepTail:
         self.offset += len(complete)
         for line in complete.decode(errors="replace").splitlines():
             if line.startswith("[step "):
-                print(f"  trial #{self.number} {line}", flush=True)
+                say(f"  trial #{self.number} {line}")
 
     def _follow(self) -> None:
         while not self._stop.wait(self.interval_s):

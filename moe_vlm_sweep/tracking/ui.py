@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.tracking.mlflow_sink import default_artifact_root, default_uri
 
 
@@ -45,11 +46,9 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     db = Path(args.outputs) / "mlflow.db"
     if args.tracking_uri is None and not db.exists():
-        print(
-            f"error: {db} does not exist yet; run a sweep first (moe-vlm-sweep run -m sweep=cpu_demo)", file=sys.stderr
-        )
+        say(f"error: {db} does not exist yet; run a sweep first (moe-vlm-sweep run -m sweep=cpu_demo)", err=True)
         return 2
-    print(f"MLflow UI: http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
+    say(f"MLflow UI: http://{args.host}:{args.port}  (Ctrl-C stops it)")
     # The server forks its own web workers: run it in its own process group and end that whole group on the way out,
     # whether we stop by Ctrl-C or by SIGTERM, so no server outlives the command.
     proc = subprocess.Popen(

@@ -37,6 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from moe_vlm_sweep.config.schema import ParallelConf
+from moe_vlm_sweep.console import say
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
 from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
@@ -412,8 +413,7 @@ def _progress_line(step: int, steps: int, phase: str, elapsed: float, result: Tr
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     tokens = result.batches[-1].real_tokens if result.batches else 0.0
-    print(
+    say(
         f"[step {step + 1}/{steps} {phase}] {elapsed * 1e3:.1f} ms, {tokens / max(elapsed, 1e-9):.0f} real tok/s, "
-        f"loss {result.losses[-1]:.4f}",
-        flush=True,
+        f"loss {result.losses[-1]:.4f}"
     )

@@ -16,10 +16,10 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +32,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from moe_vlm_sweep.console import configure_logging, say
 from moe_vlm_sweep.launch.lifeline import watch_launcher
 from moe_vlm_sweep.launch.local import ALLOC_CONF_ENVS, SERVE_FLAG
 from moe_vlm_sweep.launch.run_dir import PROGRESS_FILE
@@ -54,6 +55,8 @@ from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.train.contention import describe, gathered_contention, gathered_probe
 from moe_vlm_sweep.train.oom import is_out_of_memory, memory_state
 from moe_vlm_sweep.train.steps import cv
+
+logger = logging.getLogger(__name__)
 
 GRADIENT_ACCUMULATION_NEEDS_APEX = (
     "fusions.gradient_accumulation=true needs APEX's fused_weight_gradient_mlp_cuda extension, which is not "
@@ -148,27 +151,22 @@ def _fp8_support(fp8_recipe: str) -> list[str]:
     return problems
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(plan: RunPlan) -> None:
     """torch.distributed from torchrun's env (or a world of one), then megatron's groups, seeds, micro-batches."""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-        )
+    store = None
+    if "RANK" not in os.environ:  # a world of one rendezvous in its own memory: no port to find, none to lose
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        store = dist.HashStore()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if plan.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = timedelta(seconds=plan.run_config.train.timeout_s)
-    dist.init_process_group("nccl" if plan.device == "cuda" else "gloo", rank=rank, world_size=world, timeout=timeout)
+    backend = "nccl" if plan.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     p, cfg = plan.layout, plan.run_config
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
@@ -227,12 +225,10 @@ def _slowest_rank(step_times: list[float], plan: RunPlan) -> list[float]:
     return times.tolist()
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+def _deciles(values: list[float]) -> list[float]:
+    """The 9 cut points p10..p90, interpolated between the measured steps (``inclusive``: the fastest step is p0
+    and the slowest p100, NumPy's default); one step is every decile (Python 3.12's quantiles wants two)."""
+    return statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else values * 9
 
 
 def step_rates(plan: RunPlan, batch, seconds: float, peak_tflops: float, flops: dict | None = None) -> dict:
@@ -319,6 +315,7 @@ def build_metrics(
         "recompute": cfg.recompute.granularity,
     }
     padded, real = measured.padded_tokens, measured.real_tokens
+    deciles = _deciles(times)
     return Metrics(
         data_realism=cfg.data.realism,
         hardware=cfg.hardware.name,
@@ -327,8 +324,8 @@ def build_metrics(
         recipe=(plan.recipe or {}).get("fingerprint"),
         step_time_s=StepTimes(
             median=median,
-            p10=_quantile(times, 0.1),
-            p90=_quantile(times, 0.9),
+            p10=deciles[0],
+            p90=deciles[-1],
             mean=mean,
             cv=cv(times),
             steps=times,
@@ -461,13 +458,12 @@ def run(run_dir: Path) -> None:
         metrics = build_metrics(plan, result, peak, memory, clock.seconds, scope)
         metrics.contended, metrics.contention = bool(contention.processes), contention
         path = write_metrics(run_dir, metrics)
-        print(
+        say(
             f"[worker] wrote {path}: median step {statistics.median(result.step_times) * 1e3:.1f} ms, "
-            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
-            flush=True,
+            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}"
         )
         if metrics.contended:
-            print(f"[worker] contended measurement: {describe(contention.processes)}", flush=True)
+            logger.warning("contended measurement: %s", describe(contention.processes))
 
 
 _current_step: int | None = None
@@ -506,9 +502,10 @@ def main(argv: list[str]) -> int:
     skip_jax()
     if len(argv) >= 2 and argv[1] == SERVE_FLAG:
         return serve([*PRELOAD, *argv[2:]], main)
+    configure_logging(prefix="[worker] ")
     watch_launcher()
     if len(argv) != 2:
-        print("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", file=sys.stderr)
+        say("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", err=True)
         return 2
     run_dir = Path(argv[1])
     try:
@@ -516,7 +513,7 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:
         rank = int(os.environ.get("RANK", "0"))
         tb = traceback.format_exc()
-        print(tb, file=sys.stderr, flush=True)
+        logger.error("rank %d failed:\n%s", rank, tb.rstrip())
         memory = memory_state()  # the failed step's tensors are still alive: the traceback holds their frames
         write_failure(  # the first rank's cause is failure.json; a peer's broken pipe goes beside it
             run_dir,
