@@ -147,8 +147,10 @@ def _trials(cwd: Path) -> list:
 def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, tmp_path):
     """Each trial is an sbatch job whose result the sweep reads. kill -9 of the sweep's process group while a
     trial's job runs: the same command resumes the study; the trial it was waiting for is marked interrupted and
-    re-run once (sweep.resume.stale=retry); no trial is lost or run twice as a counted one."""
-    conf, log = private_conf(tmp_path, {"tiny2": SPACE}), tmp_path / "sweep.log"
+    re-run once (sweep.resume.stale=retry); no trial is lost or run twice as a counted one. Each trial trains 40
+    steps, so the job the killed sweep waited for is still running when the same command resumes."""
+    space = SPACE.replace("train.steps: 2", "train.steps: 40")
+    conf, log = private_conf(tmp_path, {"tiny2": space}), tmp_path / "sweep.log"
     command = ["run", "-m", "sweep=tiny2", *SLURM_CPU, "sweep.resume.stale=retry"]
     proc = _start_sweep(command, cwd=tmp_path, conf=conf, log=log)
 
