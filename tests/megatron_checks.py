@@ -170,12 +170,7 @@ def _check(plan, reached: dict) -> None:
 
     lay, cfg = plan.layout, plan.run_config
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=lay.tp,
-        pipeline_model_parallel_size=lay.pp,
-        virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
-        context_parallel_size=lay.cp,
-        expert_model_parallel_size=lay.ep,
-        expert_tensor_parallel_size=lay.etp,
+        **lay.megatron_sizes(),
         create_gloo_process_groups=False,
     )
     try:

@@ -25,6 +25,18 @@ class Layout:
     """Expert data-parallel size: world / (etp * ep * pp)."""
     sp: bool
 
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The layout in megatron-core's keywords, as ``initialize_model_parallel`` and ``TransformerConfig``
+        both take them (no VPP is ``None``, not 1)."""
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp if self.vpp > 1 else None,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
+        }
+
 
 def layout_of(cfg: RunConfig) -> Layout:
     p, world = cfg.parallel, cfg.launcher.world_size

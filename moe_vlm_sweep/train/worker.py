@@ -169,12 +169,7 @@ def init_distributed(plan: RunPlan) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     p, cfg = plan.layout, plan.run_config
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp,
-        pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
-        context_parallel_size=p.cp,
-        expert_model_parallel_size=p.ep,
-        expert_tensor_parallel_size=p.etp,
+        **p.megatron_sizes(),
     )
     # CPU initialisation draws from torch's default generator: the same seed everywhere keeps replicas equal.
     torch.manual_seed(cfg.train.seed)
