@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -264,7 +265,14 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
     launched = [t for t in trials if t.user_attrs.get("claim") == "launch" and t.number != interrupted]
     assert len(ledger.counted(trials)) == 4, [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
     assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched), "no config twice"
-    assert len({t.user_attrs["worker"].split(":")[1] for t in launched}) >= 2, "both tasks should have run trials"
+    # Both array tasks worked on the study: each task's log (kept across its requeue) shows a trial it took up,
+    # waiting for the host's CPU lock (one trial measures at a time), launched (Hydra's line) or training.
+    task_logs = {p.name.rsplit("_", 2)[0]: p.read_text() for p in (tmp_path / "submitit").glob("*_log.out")}
+    taken = {
+        task: set(re.findall(r"\[trial #(\d+)\] waiting|\[HYDRA\] \t#(\d+) : |trial #(\d+) \[step", text))
+        for task, text in task_logs.items()
+    }
+    assert len(taken) == 2 and all(taken.values()), {task: text[-1500:] for task, text in task_logs.items()}
 
 
 @pytest.mark.slow
