@@ -105,7 +105,7 @@ def _provoke(name: str) -> dict:
 @pytest.mark.parametrize("library", list(_SCENARIOS))
 def test_each_librarys_out_of_memory_on_a_full_card_is_oom(library):
     if library == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
-        pytest.skip("Transformer Engine is not installed")
+        pytest.fail("Transformer Engine is not installed on this GPU machine: its out-of-memory path is untested")
     seen = _provoke(library)
     print(library, seen["type"], seen["message"][-300:])
     memory = seen["memory"]

@@ -478,7 +478,7 @@ def test_sweep_workers_refuse_sqlite_on_slurm():
 def test_a_lost_job_is_classified_by_the_slurm_state_submitit_reports(state, failure_class, optuna_state):
     from submitit.core.utils import UncompletedJobError
 
-    from moe_vlm_sweep.sweep.trial import is_refused_submission, outcome_of_lost_job
+    from moe_vlm_sweep.sweep.trial import is_rejected_submission, outcome_of_lost_job
 
     exc = UncompletedJobError(
         f"Job 42 (task: 0) with path /x/42_0_result.pkl\nhas not produced any output "
@@ -486,7 +486,7 @@ def test_a_lost_job_is_classified_by_the_slurm_state_submitit_reports(state, fai
     )
     outcome = outcome_of_lost_job(exc)
     assert (outcome.failure_class, outcome.state) == (failure_class, optuna_state)
-    assert not is_refused_submission(exc)
+    assert not is_rejected_submission(exc)
     assert outcome.reason.startswith("the launcher lost the job: UncompletedJobError: Job 42")
     assert f"(state: {state})" in outcome.reason
 
@@ -494,7 +494,7 @@ def test_a_lost_job_is_classified_by_the_slurm_state_submitit_reports(state, fai
 def test_a_long_error_stream_keeps_the_state_and_a_refused_submission_is_told_apart():
     from submitit.core.utils import FailedSubmissionError, UncompletedJobError
 
-    from moe_vlm_sweep.sweep.trial import is_refused_submission, outcome_of_lost_job
+    from moe_vlm_sweep.sweep.trial import is_rejected_submission, outcome_of_lost_job
 
     exc = UncompletedJobError(
         "Job 7 (task: 0) with path /x\nhas not produced any output (state: TIMEOUT)\n"
@@ -503,7 +503,7 @@ def test_a_long_error_stream_keeps_the_state_and_a_refused_submission_is_told_ap
     outcome = outcome_of_lost_job(exc)
     assert outcome.failure_class == "timeout" and len(outcome.reason) < 2000
     assert "(state: TIMEOUT)" in outcome.reason and outcome.reason.endswith("CANCELLED DUE TO TIME LIMIT")
-    assert is_refused_submission(FailedSubmissionError("sbatch: error: QOSMaxSubmitJobPerUserLimit"))
+    assert is_rejected_submission(FailedSubmissionError("sbatch: error: QOSMaxSubmitJobPerUserLimit"))
 
 
 @pytest.mark.parametrize("why", ["timed-out too many times", "timed-out and not checkpointable"])

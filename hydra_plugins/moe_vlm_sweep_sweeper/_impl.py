@@ -57,7 +57,7 @@ from moe_vlm_sweep.sweep.trial import (
     CONTENDED_ATTR,
     INVALID_ERRORS,
     Outcome,
-    is_refused_submission,
+    is_rejected_submission,
     is_run_config,
     outcome_of_lost_job,
     outcome_of_result,
@@ -314,7 +314,7 @@ class SweeperImpl(Sweeper):
             try:
                 job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
             except Exception as exc:
-                if is_refused_submission(exc):
+                if is_rejected_submission(exc):
                     self.stop_reason = f"the scheduler refused trial #{trial.number}'s job: {exc}"
                     return Outcome(state="fail", failure_class=RunStatus.CRASH, reason=self.stop_reason)
                 return outcome_of_lost_job(exc)

@@ -1,6 +1,6 @@
 """The closed vocabularies of the config's string fields, one ``StrEnum`` per field.
 
-OmegaConf validates an Enum field when a config is composed (``train.precision=fp16`` is refused with the allowed
+OmegaConf validates an Enum field when a config is composed (``train.precision=fp16`` is rejected with the allowed
 values, before any ``__post_init__`` runs) and the dataclass codec when a plan is read back, so no group checks
 these by hand. Each member's name is its value: OmegaConf looks a YAML or command-line string up by member name.
 A member is a ``str``, so ``cfg.train.precision == "fp8"`` holds, JSON writes it as its value and the recipe

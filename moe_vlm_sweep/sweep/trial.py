@@ -186,7 +186,7 @@ def outcome_of_lost_job(exc: Exception) -> Outcome:
     )
 
 
-def is_refused_submission(exc: Exception) -> bool:
+def is_rejected_submission(exc: Exception) -> bool:
     """sbatch refused the job (QOS or partition limits, a controller timeout): every next trial's job would be
     refused too, so the sweep stops instead of spending its trials (submitit's ``FailedSubmissionError``, matched
     by name: the sweep does not depend on submitit)."""
