@@ -294,6 +294,11 @@ def main() -> int:
         help="the now mode's trials: forked from a warm host or fresh (default: sweep.warm_host's default)",
     )
     parser.add_argument("--no-fusion-probes", action="store_true", help="skip the per-fusion probes on GPU")
+    parser.add_argument(
+        "--probes-only",
+        action="store_true",
+        help="only the per-fusion probes, --repeats rounds of them (the verdicts read the last round's)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the configs")
     parser.add_argument("--workdir", help="where the modes' outputs directories go (default: a new temp dir)")
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -318,7 +323,7 @@ def main() -> int:
     }
     rows: list[dict] = []
     probes: list[dict] = []
-    for _ in range(args.repeats):
+    for _ in range(0 if args.probes_only else args.repeats):
         for name, extra in configs.items():
             for mode in (before, now):
                 rows.append(row := run_one(mode, name, shlex.split(f"{common} {extra}"), root / mode.name))
@@ -326,10 +331,11 @@ def main() -> int:
                 write(Path(args.out), head, rows, probes, mode_names, complete=False)
     if not on_cpu and not args.no_fusion_probes:
         shape = next(iter(configs.values()))
-        for name, extra in FUSION_PROBES.items():
-            probes.append(row := run_one(now, name, shlex.split(f"{common} {shape} {extra}"), root / now.name))
-            print(f"{name} {now.name}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
-            write(Path(args.out), head, rows, probes, mode_names, complete=False)
+        for _ in range(args.repeats if args.probes_only else 1):
+            for name, extra in FUSION_PROBES.items():
+                probes.append(row := run_one(now, name, shlex.split(f"{common} {shape} {extra}"), root / now.name))
+                print(f"{name} {now.name}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
+                write(Path(args.out), head, rows, probes, mode_names, complete=False)
     text = write(Path(args.out), head, rows, probes, mode_names, complete=True)
     warm_host.close_hosts()
     print(text)
