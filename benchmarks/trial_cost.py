@@ -299,6 +299,7 @@ def main() -> int:
         action="store_true",
         help="only the per-fusion probes, --repeats rounds of them (the verdicts read the last round's)",
     )
+    parser.add_argument("--only-mode", choices=("before", "now"), help="run the configs in this mode alone")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the configs")
     parser.add_argument("--workdir", help="where the modes' outputs directories go (default: a new temp dir)")
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -325,7 +326,7 @@ def main() -> int:
     probes: list[dict] = []
     for _ in range(0 if args.probes_only else args.repeats):
         for name, extra in configs.items():
-            for mode in (before, now):
+            for mode in (m for m in (before, now) if args.only_mode in (None, m.name)):
                 rows.append(row := run_one(mode, name, shlex.split(f"{common} {extra}"), root / mode.name))
                 print(f"{name} {mode.name}: {row['status']} in {row['wall_s']:.1f} s", flush=True)
                 write(Path(args.out), head, rows, probes, mode_names, complete=False)
