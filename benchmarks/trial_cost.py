@@ -2,10 +2,12 @@
 now, side by side in one invocation.
 
 ``before``: a fresh interpreter per trial, megatron-core's torch.compile'd fusions on (``bias_dropout`` and
-``cross_entropy``, GPU only), a fixed ``train.steps``: how sweeps ran before the cheap-trial work. ``now``: the
-sweep's current default path: a trial forked from the warm trial host where ``sweep.warm_host`` is on by default
-(``--warm-host on|off`` overrides it), the shared compile caches, the default fusions (``fusions=auto``), and an
-adaptive number of measured steps (``train.target_cv``, ``train.min_steps``; ``train/steps.py``) with the
+``cross_entropy``, GPU only), each step's batches built between steps (``data.loader_workers=0``), a fixed
+``train.steps``: how sweeps ran before the cheap-trial work. ``now``: the sweep's current default path: a trial
+forked from the warm trial host where ``sweep.warm_host`` is on by default (``--warm-host on|off`` overrides
+it), the shared compile caches, the default fusions (``fusions=auto``), the next steps' batches built by a
+DataLoader worker while a step trains (``data.loader_workers``' default on a GPU), and an adaptive number of
+measured steps (``train.target_cv``, ``train.min_steps``; ``train/steps.py``) with the
 config's ``train.steps`` as the ceiling. Each mode has its own outputs directory, so its compile caches
 (``launch/compile_cache.py``) start empty in both; they alternate per config so machine drift hits both.
 
@@ -75,7 +77,7 @@ class Mode:
 def modes(hardware: str, warm_host_now: bool) -> tuple[Mode, Mode]:
     compiled = "" if hardware == "cpu" else COMPILED_FUSIONS  # the CPU runs no fusions
     return (
-        Mode("before", warm=False, extra=compiled),
+        Mode("before", warm=False, extra=f"{compiled} data.loader_workers=0".strip()),
         Mode("now", warm=warm_host_now, extra=f"train.target_cv={TARGET_CV} train.min_steps={MIN_STEPS}"),
     )
 

@@ -124,6 +124,7 @@ KNOBS: dict[str, Knob] = {
     "data.fixed_batch": R,
     "data.packing": P,
     "data.seed": R,
+    "data.loader_workers": P,
     "data.shards": R,
     **{f"hardware.{f}": P for f in ("name", "device", "peak_bf16_tflops", "memory_gib", "gpus_per_node", "fp8")},
     "launcher.name": P,

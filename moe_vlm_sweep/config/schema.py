@@ -360,6 +360,11 @@ class DataConf:
     (TE's THD format; megatron's local attention, a block-causal mask over the row): the same samples, so realism
     is unchanged, and the decoder computes on real tokens only."""
     seed: int = 0
+    loader_workers: int | None = None
+    """DataLoader worker processes that build the next steps' micro-batches while the current step trains
+    (``data/prefetch.py``), as a real training loop keeps its GPU fed; 0: the trainer builds each step's batches
+    itself, between steps. None: 1 on a GPU, 0 on the CPU, where a worker would take a core from the ranks being
+    measured. The step time never includes the fetch either way; the trial's wall does."""
     shards: str | None = None
     """``data.name=webdataset`` only: the ``.tar`` shards, as a brace pattern (``/d/cc3m-{000000..000099}.tar``),
     a glob or one path; each holds ``<key>.jpg|png`` + ``<key>.txt`` caption records (img2dataset's layout).
@@ -368,6 +373,18 @@ class DataConf:
     def __post_init__(self) -> None:
         if not 0.0 < self.min_text_fraction <= 1.0:
             raise ConfigFieldError(f"data.min_text_fraction={self.min_text_fraction} must be in (0, 1]")
+        _positive("data.loader_workers", self.loader_workers, allow_zero=True)
+        if self.name == DataSource.webdataset and (self.loader_workers or 0) > 1:
+            raise ConfigFieldError(
+                f"data.loader_workers={self.loader_workers} with data.name=webdataset must be 0 or 1: the shard "
+                "reader is one stream, and each worker would read it from its start"
+            )
+
+    def workers_on(self, device: str) -> int:
+        """The DataLoader worker processes a run on ``device`` uses (``loader_workers``, or its default)."""
+        if self.loader_workers is not None:
+            return self.loader_workers
+        return 0 if device == Device.cpu else 1
 
 
 MIN_TEXT_IDS = 2

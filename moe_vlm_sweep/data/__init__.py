@@ -3,9 +3,13 @@ together): ``mock_text`` (no images), ``synthetic_images`` (random pixels), ``we
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf
 from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX, BatchSource, MicroBatch, Packed
 from moe_vlm_sweep.data.mock_text import MockText
+from moe_vlm_sweep.data.prefetch import Prefetched
 from moe_vlm_sweep.data.synthetic import SyntheticImages
 
 __all__ = [
@@ -13,8 +17,10 @@ __all__ = [
     "BatchSource",
     "MicroBatch",
     "MockText",
+    "Prefetched",
     "SyntheticImages",
     "make_source",
+    "prefetched",
     "text_ids_note",
 ]
 
@@ -53,3 +59,19 @@ def make_source(
             f"data.name={data.name!r}: a run's realism is its source's, never relabelled"
         )
     return Packed(source) if data.packing else source
+
+
+@contextmanager
+def prefetched(source: BatchSource, data: DataConf, *, device: str, num_microbatches: int) -> Iterator[BatchSource]:
+    """``source`` built ahead by ``data.loader_workers`` worker processes (its default on ``device``), or itself
+    where there are none; the workers stop when the block ends, however it ends (a trial's process may leave
+    with ``os._exit``, which skips the daemons' clean-up)."""
+    workers = data.workers_on(device)
+    if not workers:
+        yield source
+        return
+    ahead = Prefetched(source, num_microbatches=num_microbatches, workers=workers, pin_memory=device != "cpu")
+    try:
+        yield ahead
+    finally:
+        ahead.close()

@@ -407,7 +407,7 @@ def run(run_dir: Path) -> None:
         cpu_compat.apply()
     from megatron.core import parallel_state
 
-    from moe_vlm_sweep.data import make_source
+    from moe_vlm_sweep.data import make_source, prefetched
     from moe_vlm_sweep.model.build import build_model_chunks, precision_scope
     from moe_vlm_sweep.train.loop import Trainer, training_stream
 
@@ -423,7 +423,10 @@ def run(run_dir: Path) -> None:
         dp_size=parallel_state.get_data_parallel_world_size(),
     )
     clock.mark("init")
-    with training_stream(plan):
+    with (
+        training_stream(plan),
+        prefetched(source, cfg.data, device=plan.device, num_microbatches=plan.num_microbatches) as source,
+    ):
         chunks = build_model_chunks(plan)
         clock.mark("build")
         trainer = Trainer(plan, chunks, source)
