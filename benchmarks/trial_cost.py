@@ -19,17 +19,21 @@ phase's data fetch and reductions, writing the result). ``timed %`` is the timed
 wall, the part of a GPU-hour that measures; ``steps`` how many steps were measured and why measuring stopped. A
 warm mode's first trial includes the host's start (its imports), once per sweep.
 
-On GPU hardware the invocation then measures the fusions one at a time, in the ``now`` mode after the configs
-(so the compile caches hold what a sweep's later trials find): ``fusions=off``, each fusion that ``fusions=auto``
-turns on alone, and ``auto`` itself. A fusion's compile cost is its first warm-up step minus ``fusions=off``'s;
-what it buys is its median step time below ``off``'s, over a trial's warm-up and measured steps. A fusion whose
-cost is not paid back within a trial is one to leave off by default (``config/schema.py: FusionsConf``); the
-summary's ``fusions`` says which. What ``fusions=auto`` turns on beyond ``off`` (read from megatron-core 0.19
-and Transformer Engine 2.x): ``moe_permute`` (TE's ``moe_permute``/``moe_unpermute``/``moe_sort_chunks_by_index``,
-whose mask-map path runs Triton kernels, ``transformer_engine/pytorch/triton/permutation.py``, JIT-compiled per
-process and autotuned per process over several block sizes: the suspect for the default's extra ~5.5 s of first
-step), ``rope`` (TE's fused rotary embedding, a CUDA kernel built with TE) and ``masked_softmax`` (megatron's
-``FusedScaleMaskSoftmax``, which only the local attention spec reads: under TE specs the attention is TE's own).
+On GPU hardware the invocation then measures the default's fusions one at a time, in the ``now`` mode after the
+configs (so the compile caches hold what a sweep's later trials find): ``fusions=auto`` (the default), then the
+default without each fusion that ``auto`` turns on. A fusion's compile cost is the default's first warm-up step
+minus the first step without it; what it buys is the median step time without it minus the default's. A fusion
+whose cost is not paid back over a trial's warm-up and measured steps is one to leave off by default
+(``config/schema.py: FusionsConf``); the summary's ``fusions`` says which. Each is taken out of the default rather
+than added to ``fusions=off``: ``off`` is no neutral baseline on packed rows, where megatron's unfused RoPE applies
+itself one sample at a time with a host sync per sample (megatron-core 0.19
+``models/common/embeddings/rope_utils.py: _apply_rotary_pos_emb_thd``). What ``fusions=auto`` turns on beyond
+``off`` (read from megatron-core 0.19 and Transformer Engine 2.x): ``moe_permute`` (TE's
+``moe_permute``/``moe_unpermute``/``moe_sort_chunks_by_index``, whose mask-map path runs Triton kernels,
+``transformer_engine/pytorch/triton/permutation.py``, JIT-compiled and autotuned per process unless the compile
+cache keeps them), ``rope`` (TE's fused rotary embedding, a CUDA kernel built with TE) and ``masked_softmax``
+(megatron's ``FusedScaleMaskSoftmax``, which only the local attention spec reads: under TE specs the attention is
+TE's own).
 
     python benchmarks/trial_cost.py --out benchmarks/results/trial_cost_cpu.json            # CPU, model=tiny
     python benchmarks/trial_cost.py --hardware h100 --out trial_cost_h100.json              # GPU, model=small
@@ -103,11 +107,10 @@ PRESETS = {
     ),
 }
 FUSION_PROBES = {
-    "fusions_off": "fusions=off",
-    "moe_permute_alone": "fusions=off fusions.moe_permute=true",
-    "rope_alone": "fusions=off fusions.rope=true",
-    "masked_softmax_alone": "fusions=off fusions.masked_softmax=true",
     "fusions_auto": "",
+    "without_moe_permute": "fusions.moe_permute=false",
+    "without_rope": "fusions.rope=false",
+    "without_masked_softmax": "fusions.masked_softmax=false",
 }
 """On GPU hardware, run in the ``now`` mode after the configs, on the first config's shape (MBS 32)."""
 
@@ -184,20 +187,21 @@ def summarize(rows: list[dict], mode_names: list[str]) -> dict[str, dict]:
 
 
 def fusion_verdicts(probes: list[dict]) -> dict[str, dict]:
-    """Per probe against ``fusions_off``: the first warm-up step's extra seconds (the per-trial compile cost), the
-    median step's saving, and whether the saving over the trial's warm-up and measured steps pays for the cost."""
+    """Per fusion, the default (``fusions_auto``) against the default without it: the first warm-up step's extra
+    seconds with it (its per-trial compile cost), the median step's saving, and whether the saving over the
+    trial's warm-up and measured steps pays for the cost."""
     by_name = {r["config"]: r for r in probes if r["status"] == "ok"}
-    off = by_name.get("fusions_off")
-    if off is None:
+    auto = by_name.get("fusions_auto")
+    if auto is None:
         return {}
+    steps = auto["warmup_steps"] + auto["measured_steps"]
     out = {}
-    for name, r in by_name.items():
-        if name == "fusions_off":
+    for name, without in by_name.items():
+        if name == "fusions_auto":
             continue
-        cost = r["phases_s"]["first_step"] - off["phases_s"]["first_step"]
-        saving = off["step_median_s"] - r["step_median_s"]
-        steps = r["warmup_steps"] + r["measured_steps"]
-        out[name] = {
+        cost = auto["phases_s"]["first_step"] - without["phases_s"]["first_step"]
+        saving = without["step_median_s"] - auto["step_median_s"]
+        out[name.removeprefix("without_")] = {
             "first_step_extra_s": cost,
             "step_saving_s": saving,
             "steps_per_trial": steps,

@@ -68,6 +68,33 @@ def test_the_plan_carries_the_fingerprint_and_what_differs_from_the_model():
     assert plan("model=small", "parallel=3d", "batch.mbs=1").recipe["differs"] == {}
 
 
+def test_the_fingerprint_reads_precision_as_trained():
+    """``auto`` is the device's dtype, and an FP8 scaling recipe is part of the recipe only where FP8 runs."""
+
+    def cfg(*overrides: str) -> RunConfig:
+        return to_run_config(compose_config(["model=small", *overrides]))
+
+    def fp(*overrides: str) -> str:
+        return recipe.fingerprint(cfg(*overrides))
+
+    assert fp("hardware=h100") == fp("hardware=h100", "train.precision=bf16")
+    assert fp("hardware=h100") != fp("hardware=h100", "train.precision=fp32")
+    assert (
+        fp("hardware=cpu") == fp("hardware=cpu", "train.precision=fp32") != fp("hardware=cpu", "train.precision=bf16")
+    )
+    assert fp("hardware=h100", "train.fp8_recipe=blockwise") == fp("hardware=h100")  # no FP8 runs
+    fp8 = fp("hardware=h100", "train.precision=fp8", "train.fp8_recipe=tensorwise")
+    assert fp8 != fp("hardware=h100") and fp8 != fp(
+        "hardware=h100", "train.precision=fp8", "train.fp8_recipe=blockwise"
+    )
+    # a GPU run of the model's defaults differs from them in nothing; its FP8 sibling in the FP8 fields
+    assert recipe.summary(cfg("hardware=h100"))["differs"] == {}
+    assert recipe.summary(cfg("hardware=h100", "train.precision=fp8"))["differs"] == {
+        "train.precision": "fp8",
+        "train.fp8_recipe": "delayed",
+    }
+
+
 def test_a_steps_global_batch_is_the_same_samples_under_any_layout():
     """Each sample is drawn by its index in the global batch, so dp and mbs change who computes it, not what."""
     from moe_vlm_sweep.config.schema import DataConf, ModelConf

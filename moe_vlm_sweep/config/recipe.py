@@ -22,10 +22,11 @@ import enum
 import hashlib
 import json
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from moe_vlm_sweep.config.schema import FusionsConf, ModelConf, RunConfig, from_dict
+from moe_vlm_sweep.config.choices import Precision
+from moe_vlm_sweep.config.schema import FusionsConf, HardwareConf, ModelConf, RunConfig, from_dict
 
 
 class Knob(enum.Enum):
@@ -190,9 +191,22 @@ def _leaf(conf: Any, path: str) -> Any:
     return conf
 
 
+def _trained_precision(cfg: RunConfig) -> str:
+    t = cfg.train
+    return Precision.fp8 if t.precision == Precision.fp8 else t.resolved_precision(cfg.hardware.device)
+
+
+TRAINED: dict[str, Callable[[RunConfig], Any]] = {
+    "train.precision": _trained_precision,
+    "train.fp8_recipe": lambda cfg: cfg.train.fp8_in_use,
+}
+"""Recipe fields read as what the run trains, not as written: ``auto`` precision is the device's dtype (``auto``
+and ``bf16`` on a GPU are one recipe), and an FP8 scaling recipe counts only where FP8 runs."""
+
+
 def recipe_values(cfg: RunConfig) -> dict[str, Any]:
-    """The recipe fields of ``cfg``, dotted path -> value, in the table's order."""
-    return {path: _leaf(cfg, path) for path, k in KNOBS.items() if k is R}
+    """The recipe fields of ``cfg``, dotted path -> value as trained (``TRAINED``), in the table's order."""
+    return {path: TRAINED[path](cfg) if path in TRAINED else _leaf(cfg, path) for path, k in KNOBS.items() if k is R}
 
 
 def fingerprint(cfg: RunConfig) -> str:
@@ -216,20 +230,23 @@ def describe(diff: dict[str, Any]) -> str:
     return ", ".join(f"{path}={value}" for path, value in diff.items()) or "none"
 
 
-def model_defaults(model_name: str) -> RunConfig:
+def model_defaults(model_name: str, hardware: HardwareConf | None = None) -> RunConfig:
     """The default config of ``model=<model_name>``: the model group's option over the schema's defaults (what the
-    other groups' default options hold). A model not in the group (set field by field) gets the schema's model."""
+    other groups' default options hold), on ``hardware`` where given (a default that resolves per device, such as
+    ``train.precision=auto``, is read there). A model not in the group (set field by field) gets the schema's
+    model."""
     from omegaconf import OmegaConf  # here: the worker reads plans without OmegaConf or Hydra
 
     from moe_vlm_sweep.config.compose import CONF_DIR
 
     path = CONF_DIR / "model" / f"{model_name}.yaml"
+    defaults = RunConfig() if hardware is None else RunConfig(hardware=hardware)
     if not path.is_file():
-        return RunConfig()
+        return defaults
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     assert isinstance(raw, dict)  # a config group option is a mapping
     raw.pop("defaults", None)
-    return RunConfig(model=from_dict(ModelConf, typing.cast("dict[str, Any]", raw)))  # YAML keys are str
+    return dataclasses.replace(defaults, model=from_dict(ModelConf, typing.cast("dict[str, Any]", raw)))
 
 
 def summary(cfg: RunConfig) -> dict[str, Any]:
@@ -237,5 +254,5 @@ def summary(cfg: RunConfig) -> dict[str, Any]:
     defaults (``differs``, path -> value)."""
     return {
         "fingerprint": fingerprint(cfg),
-        "differs": differences(recipe_values(cfg), recipe_values(model_defaults(cfg.model.name))),
+        "differs": differences(recipe_values(cfg), recipe_values(model_defaults(cfg.model.name, cfg.hardware))),
     }
