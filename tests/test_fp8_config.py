@@ -80,16 +80,27 @@ def test_block_scaling_asks_16_of_the_tokens_too():
     assert "rows to be a multiple of 16" in message and "needs batch.mbs a multiple of 4" in message
 
 
-def test_fp8_adds_te_weight_copies_to_the_memory_estimate():
+def test_fp8_adds_te_weight_copies_and_counts_layer_activations_at_one_byte():
     """The proxy's decoder GEMMs (4 layers: 128 experts of 3 x 2048 x 768, attention 2048 x 9216) in FP8, rowwise
-    and transposed: 2 bytes a weight on top of the bf16 run's estimate."""
-    from moe_vlm_sweep.plan.memory import GIB, estimate, fp8_weight_bytes
+    and transposed: 2 bytes a weight on top of the bf16 run's estimate; the decoder layers' saved activations at
+    one byte an element instead of two, everything else as in bf16."""
+    from moe_vlm_sweep.plan.memory import GIB, activation_parts, estimate, fp8_weight_bytes
 
     common = [*H100, "model=qwen3_vl_30b_a3b_proxy", "parallel=3d", "batch.mbs=2", "batch.gbs=8"]
     bf16, fp8 = (compose_run_config([*common, f"train.precision={p}"]) for p in ("bf16", "fp8"))
     gemm_weights = 4 * (128 * 3 * 2048 * 768 + 2048 * 128 * (2 * 32 + 2 * 4))
     assert fp8_weight_bytes(fp8) == 2 * gemm_weights and fp8_weight_bytes(bf16) == 0
-    assert estimate(fp8).total_gib == pytest.approx(estimate(bf16).total_gib + 2 * gemm_weights / GIB)
+    seq = make_plan(bf16).seq_length
+    parts = {name: activation_parts(cfg, seq) for name, cfg in (("bf16", bf16), ("fp8", fp8))}
+    # half, but for what is not an element of the layer's dtype (the router's fp32 probabilities, indices)
+    assert (
+        parts["bf16"]["decoder.layers"] / 2 <= parts["fp8"]["decoder.layers"] < 0.51 * parts["bf16"]["decoder.layers"]
+    )
+    assert {k: v for k, v in parts["fp8"].items() if k != "decoder.layers"} == {
+        k: v for k, v in parts["bf16"].items() if k != "decoder.layers"
+    }
+    assert estimate(fp8).static_gib == pytest.approx(estimate(bf16).static_gib + 2 * gemm_weights / GIB)
+    assert estimate(fp8).total_gib < estimate(bf16).total_gib + 2 * gemm_weights / GIB
 
 
 def test_the_fp8_scope_in_metrics_is_no_tracked_metric():

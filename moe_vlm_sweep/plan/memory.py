@@ -12,8 +12,8 @@ Static memory per rank (megatron-core, bf16, distributed optimizer):
   parameters by EP x ETP and PP; Megatron-FSDP shards gradients (``optim_grads``) and weights
   (``optim_grads_params``) over data parallelism too. The rank holding the most is counted: the first pipeline
   stage (embedding, vision encoder, projector) or the last (output layer). Frozen modules hold weights only.
-  ``train.precision=fp8`` adds TE's FP8 copies of the decoder's GEMM weights (:data:`FP8_WEIGHT_BYTES`); its
-  activations are counted as bf16 (TE saves some GEMM inputs in FP8, so the bound stays a bound).
+  ``train.precision=fp8`` adds TE's FP8 copies of the decoder's GEMM weights (:data:`FP8_WEIGHT_BYTES`) and
+  counts the decoder layers' saved activations at one byte an element (:data:`FP8_ELEMENT_BYTES`).
 
 Activations per micro-batch, saved for backward (bytes per token per layer, bf16, flash attention: no s x s
 term), after Korthikanti et al. 2022 adapted to GQA, SwiGLU experts and top-k routing, and then to what
@@ -124,8 +124,9 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
     m, d, p, rc = cfg.model, cfg.model.decoder, cfg.parallel, cfg.recompute
     tokens = _decoder_tokens(cfg, seq_length)
     layers = d.num_layers / p.pp
+    layer_bytes = FP8_ELEMENT_BYTES if cfg.train.precision == "fp8" else element_bytes
     if rc.granularity == "full":
-        decoder = tokens * layers * element_bytes * d.hidden_size
+        decoder = tokens * layers * layer_bytes * d.hidden_size
     else:
         moe_share = d.num_moe_layers / d.num_layers
         decoder = (
@@ -136,7 +137,7 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
                 * _decoder_layer_bytes_per_token(
                     d,
                     moe=moe,
-                    element_bytes=element_bytes,
+                    element_bytes=layer_bytes,
                     recomputed=frozenset(rc.modules),  # selective only (rules.py)
                     fused_swiglu=_fused(cfg, "bias_activation"),
                 )
@@ -170,6 +171,13 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
         "decoder.layers": decoder,
         "decoder.output": _output_bytes(cfg, tokens, element_bytes),
     }
+
+
+FP8_ELEMENT_BYTES = 1
+"""``train.precision=fp8``: bytes the estimate counts per element the decoder's layers save for backward. TE saves
+its FP8 GEMMs' inputs in FP8 and the rest (norm inputs, attention, the activation function's input) in bf16; which
+is which is not modelled per layer, so every element counts one byte: a lower bound whatever the split (counted
+as bf16, they could put the estimate above the peak that the FP8 weight copies already raise)."""
 
 
 LINEAR_CE_CHUNK_BYTES = 2**29
