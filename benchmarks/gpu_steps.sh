@@ -7,9 +7,10 @@
 # where the tree has no .git; TIME_S: the wall-clock seconds the whole run may take (default 570), which the sweep
 # and confirm steps divide among themselves.
 #   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline |
-#         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack
-#   Every step but gputests, h100packing, imports and pack needs an H200's memory: on a smaller card the script
-#   stops before them rather than run out of memory or mix machines in one study.
+#         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack | h100packed=N | trialcost | probes
+#   Every step but gputests, h100packing, h100packed, trialcost, probes, imports and pack needs an H200's memory:
+#   on a smaller card the script stops before them rather than run out of memory or mix machines in one study;
+#   h100packed needs an H100 (80 GB): its study is that card's alone.
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
 #             attention-backend log, and the 1599-token attn config the worker's preflight must reject
 #   sweep=N   the h200_single sweep (Optuna + MLflow on SQLite under outputs/) up to N trials; resumes. It gets
@@ -37,6 +38,11 @@
 #   h100packing  packed against padded rows at MBS 48-64 with hardware=h100, on an H100 (80 GB)
 #   baseline  the FSDP baseline (FSDP, MBS 8, eager) next to 3D MBS 32
 #   imports   python -X importtime of the worker's heavy imports, and their time with and without skip_jax
+#   h100packed=N  the h100_small_packed sweep (the H100's own space: GBS 192, packed and padded rows, the fused
+#             loss against the unfused one) up to N trials, as sweep=N
+#   trialcost benchmarks/trial_cost.py's GPU configs, before against now (about 100 s a `before` trial, 30 s a
+#             `now` one), on this card's hardware group
+#   probes    trial_cost.py's fusion probes alone, two rounds (the first fills the compile caches)
 #   pack      outputs/ (with its exported experiments) and the step folders as $OUT/outputs.tgz
 set -u
 [[ -z ${INSTALL:-} ]] || eval "$INSTALL" >/dev/null || exit 1
@@ -50,10 +56,12 @@ D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 for step in "$@"; do
   case "$step" in
-    gputests*|h100packing|imports|pack) ;;
+    gputests*|h100packing|imports|pack|trialcost|probes) ;;
+    h100packed=*) (( mem_mib < 100000 )) || { echo "step $step is the H100's study; this card has ${mem_mib} MiB" >&2; exit 2; } ;;
     *) (( mem_mib > 100000 )) || { echo "step $step needs an H200; this card has ${mem_mib} MiB" >&2; exit 2; } ;;
   esac
 done
+HW=h100; (( mem_mib > 100000 )) && HW=h200
 S="model.text_tokens=1089"  # 1664 decoder tokens, a multiple of 128 (1599 is not): TE's cuDNN graph-capture rule
 # A worker a timeout orphaned must not share the GPU. "[m]" keeps the pattern from matching a shell whose own
 # command line holds it.
@@ -107,9 +115,10 @@ for step in "$@"; do
         --config mbs64="batch.mbs=64" \
         --config mbs96_swiglu_ce_unfused="batch.mbs=96 fusions.bias_activation=true fusions.cross_entropy=false"
       stop_orphans ;;
-    sweep=*|proxy=*|s1664=*|fused=*|packed=*)
+    sweep=*|proxy=*|s1664=*|fused=*|packed=*|h100packed=*)
       space=h200_single; [[ $step == proxy=* ]] && space=h200_proxy; [[ $step == s1664=* ]] && space=h200_small_s1664
       [[ $step == fused=* ]] && space=h200_small_fused; [[ $step == packed=* ]] && space=h200_small_packed
+      [[ $step == h100packed=* ]] && space=h100_small_packed
       budget=$(( $(left) - 30 ))
       (( budget > 60 )) || { echo "skip $step: ${budget} s left"; continue; }
       timeout $((budget + 20)) python3 -m moe_vlm_sweep.cli run -m "sweep=$space" "sweep.n_trials=${step#*=}" \
@@ -142,6 +151,14 @@ for step in "$@"; do
         --config padded_mbs48="batch.mbs=48" --config packed_mbs48="batch.mbs=48 data.packing=true" \
         --config packed_mbs64="batch.mbs=64 data.packing=true"
       grep -h -i "Running with .*backend\|disabling" /tmp/h100packing/runs/*/worker.log | sort | uniq -c | head -20
+      stop_orphans ;;
+    trialcost)
+      (cd benchmarks && timeout $(( $(left) - 10 )) python3 trial_cost.py --hardware $HW --no-fusion-probes \
+        --workdir /tmp/trialcost --out "$OUT/trial_cost_$HW.json" | tail -12)
+      stop_orphans ;;
+    probes)
+      (cd benchmarks && timeout $(( $(left) - 10 )) python3 trial_cost.py --hardware $HW --probes-only --repeats 2 \
+        --workdir /tmp/probes --out "$OUT/trial_cost_probes_$HW.json" | tail -12)
       stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \

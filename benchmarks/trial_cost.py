@@ -36,8 +36,8 @@ cache keeps them), ``rope`` (TE's fused rotary embedding, a CUDA kernel built wi
 TE's own).
 
     python benchmarks/trial_cost.py --out benchmarks/results/trial_cost_cpu.json            # CPU, model=tiny
-    python benchmarks/trial_cost.py --hardware h100 --out trial_cost_h100.json              # GPU, model=small
-    python benchmarks/trial_cost.py --hardware h200 --config mbs16="batch.mbs=16" --common "model=small ..."
+    python benchmarks/trial_cost.py --hardware h100 --no-fusion-probes --out trial_cost_h100.json   # GPU configs
+    python benchmarks/trial_cost.py --hardware h100 --probes-only --repeats 2 --out probes_h100.json  # fusions
 """
 
 from __future__ import annotations
@@ -97,12 +97,13 @@ PRESETS = {
         },
     ),
     "gpu": (
-        "model=small parallel=3d batch.gbs=32 train.warmup_steps=3 train.steps=8 train.profile_steps=1 "
-        "train.timeout_s=300",
-        {  # h200_single's space at model=small
+        "model=small parallel=3d cuda_graph=none recompute=none vision=trainable dispatcher=alltoall batch.gbs=192 "
+        "model.text_tokens=1089 data.packing=true fusions.bias_activation=true train.expandable_segments=true "
+        "train.warmup_steps=2 train.steps=8 train.timeout_s=300",
+        {  # the H100's studies at GBS 192 (h100_small_packed), at MBS that fit with the compiled fused loss
             "mbs32": "batch.mbs=32",
-            "mbs16": "batch.mbs=16",
-            "mbs32_selective": "batch.mbs=32 recompute=selective",
+            "mbs48": "batch.mbs=48",
+            "mbs48_selective": "batch.mbs=48 recompute=selective recompute.modules=[moe_act,layernorm]",
         },
     ),
 }
@@ -112,7 +113,7 @@ FUSION_PROBES = {
     "without_rope": "fusions.rope=false",
     "without_masked_softmax": "fusions.masked_softmax=false",
 }
-"""On GPU hardware, run in the ``now`` mode after the configs, on the first config's shape (MBS 32)."""
+"""On GPU hardware, run in the ``now`` mode after the configs, on the first config's shape."""
 
 
 def phases(metrics: Metrics, wall: float) -> dict[str, float]:
