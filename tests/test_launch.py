@@ -73,15 +73,23 @@ def test_result_files_are_whole(name, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
 
 
-@pytest.mark.parametrize("layout", [[], ["launcher=torchrun", "launcher.nproc_per_node=2"]], ids=["local", "torchrun"])
-def test_a_killed_launcher_leaves_no_worker_behind(layout, tmp_path):
-    """kill -9 of `moe-vlm-sweep run` (or of a sweep) skips every cleanup; the ranks must still end on their own,
-    or they would keep training beside the next trial on the same device."""
+@pytest.mark.parametrize(
+    ("layout", "processes"),
+    [
+        ([], 1),  # the worker
+        (["launcher=torchrun", "launcher.nproc_per_node=2"], 3),  # torchrun and 2 ranks
+        (["data.loader_workers=1"], 2),  # the worker and the DataLoader worker it forked
+    ],
+    ids=["local", "torchrun", "loader_worker"],
+)
+def test_a_killed_launcher_leaves_no_worker_behind(layout, processes, tmp_path):
+    """kill -9 of `moe-vlm-sweep run` (or of a sweep) skips every cleanup; the ranks, and the processes that build
+    their batches, must still end on their own, or they would keep running beside the next trial."""
     cmd = [sys.executable, "-m", "moe_vlm_sweep.cli", "run", *LONG, *layout, f"outputs_dir={tmp_path}"]
     cli = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while len(processes_under(tmp_path, WORKER)) < (3 if layout else 1):  # torchrun and 2 ranks, or the worker
+        while len(processes_under(tmp_path, WORKER)) < processes:
             assert cli.poll() is None and time.monotonic() < deadline, "the run never started"
             time.sleep(0.2)
         cli.kill()
