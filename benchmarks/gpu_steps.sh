@@ -57,7 +57,8 @@ mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | he
 for step in "$@"; do
   case "$step" in
     gputests*|h100packing|imports|pack|trialcost|probes) ;;
-    h100packed=*) (( mem_mib < 100000 )) || { echo "step $step is the H100's study; this card has ${mem_mib} MiB" >&2; exit 2; } ;;
+    h100packed=*) nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 ||
+      { echo "step $step is the H100's study; this card is $(nvidia-smi --query-gpu=name --format=csv,noheader)" >&2; exit 2; } ;;
     *) (( mem_mib > 100000 )) || { echo "step $step needs an H200; this card has ${mem_mib} MiB" >&2; exit 2; } ;;
   esac
 done
@@ -152,13 +153,12 @@ for step in "$@"; do
         --config packed_mbs64="batch.mbs=64 data.packing=true"
       grep -h -i "Running with .*backend\|disabling" /tmp/h100packing/runs/*/worker.log | sort | uniq -c | head -20
       stop_orphans ;;
-    trialcost)
-      (cd benchmarks && timeout $(( $(left) - 10 )) python3 trial_cost.py --hardware $HW --no-fusion-probes \
-        --workdir /tmp/trialcost --out "$OUT/trial_cost_$HW.json" | tail -12)
-      stop_orphans ;;
-    probes)
-      (cd benchmarks && timeout $(( $(left) - 10 )) python3 trial_cost.py --hardware $HW --probes-only --repeats 2 \
-        --workdir /tmp/probes --out "$OUT/trial_cost_probes_$HW.json" | tail -12)
+    trialcost|probes)  # each trial's JSON row is written as it ends, so a step cut by its limit keeps its rows
+      t=$(( $(left) - 10 ))
+      (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
+      args=(--no-fusion-probes --workdir /tmp/trialcost --out "$OUT/trial_cost_$HW.json")
+      [[ $step == probes ]] && args=(--probes-only --repeats 2 --workdir /tmp/probes --out "$OUT/trial_cost_probes_$HW.json")
+      (cd benchmarks && timeout $t python3 trial_cost.py --hardware $HW "${args[@]}" | tail -12)
       stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \

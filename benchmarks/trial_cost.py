@@ -312,6 +312,8 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args()
     on_cpu = args.hardware == "cpu"
+    if args.probes_only and (on_cpu or args.no_fusion_probes):
+        parser.error("--probes-only runs the fusion probes, which need a GPU hardware group and no --no-fusion-probes")
     common, presets = PRESETS["cpu" if on_cpu else "gpu"]
     common = args.common if args.common is not None else f"{common} hardware={args.hardware}"
     configs = dict(c.split("=", 1) for c in args.config) or presets

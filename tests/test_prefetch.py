@@ -12,6 +12,7 @@ from conftest import read_json
 from moe_vlm_sweep.cli import main
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.data import Prefetched, make_source, prefetched
+from moe_vlm_sweep.data import prefetch as prefetch_module
 
 
 def _source(*overrides: str):
@@ -34,7 +35,7 @@ def _same(a, b) -> None:
 def test_workers_hand_over_the_sources_own_steps_in_order(packing, workers):
     _, direct = _source(f"data.packing={packing}")
     _, source = _source(f"data.packing={packing}")
-    ahead = Prefetched(source, num_microbatches=3, workers=workers, pin_memory=False)
+    ahead = Prefetched(source, num_microbatches=3, workers=workers)
     try:
         for step in range(5):
             _same(ahead.step(step, 3), direct.step(step, 3))
@@ -44,12 +45,84 @@ def test_workers_hand_over_the_sources_own_steps_in_order(packing, workers):
         ahead.close()
 
 
+@pytest.mark.parametrize("data", ["synthetic_images", "mock_text"])
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_a_joined_step_splits_back_into_its_micro_batches(data, packing):
+    _, source = _source(f"data={data}", f"data.packing={packing}")
+    step = source.step(3, 4)
+    back = prefetch_module.split(prefetch_module.joined(step))
+    _same(back, step)
+    assert [mb.image_tokens for mb in back] == [mb.image_tokens for mb in step]
+
+
+def test_a_step_of_many_micro_batches_holds_a_few_descriptors():
+    """torch shares each tensor a worker hands over through a file descriptor: one per field and step, not
+    per micro-batch, or a step of a few hundred micro-batches would run the process out of them."""
+    _, source = _source("data.packing=true")
+    ahead = Prefetched(source, num_microbatches=200, workers=1)
+    try:
+        before = psutil.Process().num_fds()
+        held = [ahead.step(step, 200) for step in range(3)]
+        assert len(held) == 3 and psutil.Process().num_fds() - before < 60
+    finally:
+        ahead.close()
+
+
+class _FailsAtStep:
+    realism = "synthetic_images"
+
+    def __init__(self, source, failing: int):
+        self.source, self.failing = source, failing
+
+    def step(self, step: int, num_microbatches: int):
+        if step == self.failing:
+            raise OSError(f"corrupt shard at step {step}")
+        return self.source.step(step, num_microbatches)
+
+
+def test_a_worker_error_reaches_the_trainer_and_stops_every_worker():
+    cfg, source = _source("data.loader_workers=2")
+    workers: list[psutil.Process] = []
+    with (
+        pytest.raises(OSError, match="corrupt shard at step 1"),
+        prefetched(
+            _FailsAtStep(source, 1), cfg.data, cfg.model, device="cuda", micro_batch_size=2, num_microbatches=2
+        ) as ahead,
+    ):
+        ahead.step(0, 2)
+        workers = psutil.Process().children()
+        ahead.step(1, 2)
+    # at once: not after the 5 s in which a worker notices its parent is gone
+    _, alive = psutil.wait_procs(workers, timeout=2)
+    assert not alive
+
+
+def test_the_default_takes_no_worker_where_the_host_has_no_core_to_spare(monkeypatch, caplog):
+    cfg, source = _source()
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    with prefetched(source, cfg.data, cfg.model, device="cuda", micro_batch_size=2, num_microbatches=2) as same:
+        assert same is source
+    assert "1 core(s) in this process's CPU set" in caplog.text
+    cfg, source = _source("data.loader_workers=1")  # a number the user set is used as set
+    with prefetched(source, cfg.data, cfg.model, device="cuda", micro_batch_size=2, num_microbatches=2) as ahead:
+        assert isinstance(ahead, Prefetched)
+
+
+def test_the_default_takes_no_worker_without_shared_memory_for_the_steps_in_flight(monkeypatch, tmp_path, caplog):
+    cfg, source = _source()
+    monkeypatch.setattr("moe_vlm_sweep.data.SHARED_MEMORY", tmp_path)
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("Usage", (), {"free": 1024})())
+    with prefetched(source, cfg.data, cfg.model, device="cuda", micro_batch_size=2, num_microbatches=2) as same:
+        assert same is source
+    assert f"0 MiB free in {tmp_path}, and the steps in flight need" in caplog.text
+
+
 def test_the_workers_stop_when_the_block_ends_however_it_ends():
     cfg, source = _source("data.loader_workers=2")
     workers: list[psutil.Process] = []
     with (
         pytest.raises(RuntimeError, match="a failed step"),
-        prefetched(source, cfg.data, device="cuda", num_microbatches=2) as ahead,
+        prefetched(source, cfg.data, cfg.model, device="cuda", micro_batch_size=2, num_microbatches=2) as ahead,
     ):
         assert isinstance(ahead, Prefetched)
         ahead.step(0, 2)
@@ -64,7 +137,7 @@ def test_no_workers_on_the_cpu_by_default_one_on_a_gpu():
     cfg, source = _source()
     assert cfg.data.loader_workers is None
     assert cfg.data.workers_on("cpu") == 0 and cfg.data.workers_on("cuda") == 1
-    with prefetched(source, cfg.data, device="cpu", num_microbatches=2) as same:
+    with prefetched(source, cfg.data, cfg.model, device="cpu", micro_batch_size=2, num_microbatches=2) as same:
         assert same is source
 
 

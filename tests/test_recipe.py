@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,8 @@ from moe_vlm_sweep.config.compose import compose_config, to_run_config
 from moe_vlm_sweep.config.recipe import KNOBS, Knob, leaf_fields
 from moe_vlm_sweep.config.schema import BatchConf, DispatcherConf, RunConfig, VisionTrainingConf
 from moe_vlm_sweep.plan.plan import make_plan
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def test_every_field_of_every_group_is_classified():
@@ -89,10 +93,16 @@ def test_the_fingerprint_reads_precision_as_trained():
     )
     # a GPU run of the model's defaults differs from them in nothing; its FP8 sibling in the FP8 fields
     assert recipe.summary(cfg("hardware=h100"))["differs"] == {}
-    assert recipe.summary(cfg("hardware=h100", "train.precision=fp8"))["differs"] == {
-        "train.precision": "fp8",
-        "train.fp8_recipe": "delayed",
-    }
+    assert recipe.summary(cfg("hardware=h100", "train.precision=fp8"))["differs"] == {"train.precision": "fp8"}
+
+
+def test_runs_that_kept_their_defaults_keep_their_fingerprints():
+    """The committed H100 proxy runs (bf16 as ``train.precision=auto``, and two FP8 recipes) as fingerprinted
+    when they ran."""
+    runs = json.loads((RESULTS / "h100_proxy_fp8" / "fp8.json").read_text())["runs"]
+    assert len(runs) == 3
+    for run in runs:
+        assert recipe.fingerprint(to_run_config(compose_config(run["overrides"]))) == run["recipe"]["fingerprint"]
 
 
 def test_a_steps_global_batch_is_the_same_samples_under_any_layout():

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from moe_vlm_sweep.config.choices import Precision
-from moe_vlm_sweep.config.schema import FusionsConf, HardwareConf, ModelConf, RunConfig, from_dict
+from moe_vlm_sweep.config.schema import FusionsConf, HardwareConf, ModelConf, RunConfig, TrainConf, from_dict
 
 
 class Knob(enum.Enum):
@@ -192,16 +192,25 @@ def _leaf(conf: Any, path: str) -> Any:
 
 
 def _trained_precision(cfg: RunConfig) -> str:
-    t = cfg.train
-    return Precision.fp8 if t.precision == Precision.fp8 else t.resolved_precision(cfg.hardware.device)
+    t, device = cfg.train, cfg.hardware.device
+    default = dataclasses.replace(t, precision=TrainConf().precision)
+    if t.precision != Precision.fp8 and t.resolved_precision(device) == default.resolved_precision(device):
+        return default.precision
+    return t.precision
+
+
+def _trained_fp8_recipe(cfg: RunConfig) -> str:
+    return cfg.train.fp8_recipe if cfg.train.fp8_in_use else TrainConf().fp8_recipe
 
 
 TRAINED: dict[str, Callable[[RunConfig], Any]] = {
     "train.precision": _trained_precision,
-    "train.fp8_recipe": lambda cfg: cfg.train.fp8_in_use,
+    "train.fp8_recipe": _trained_fp8_recipe,
 }
-"""Recipe fields read as what the run trains, not as written: ``auto`` precision is the device's dtype (``auto``
-and ``bf16`` on a GPU are one recipe), and an FP8 scaling recipe counts only where FP8 runs."""
+"""Recipe fields read as what the run trains, not as written: a precision that trains as the default's on this
+device reads as the default (``auto`` and ``bf16`` on a GPU are one recipe), and an FP8 scaling recipe counts
+only where FP8 runs. A value that trains as the default hashes as the default, so the fingerprints of runs that
+kept their defaults are those they always had."""
 
 
 def recipe_values(cfg: RunConfig) -> dict[str, Any]:

@@ -9,10 +9,9 @@ block-causal mask for megatron's local attention).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -88,16 +87,6 @@ class MicroBatch:
     @property
     def loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
-
-    def pin_memory(self) -> MicroBatch:
-        """In page-locked memory, so the copy to a GPU is a plain DMA (what torch's DataLoader calls with
-        ``pin_memory=True``)."""
-        pinned: dict[str, Any] = {
-            f.name: value.pin_memory()
-            for f in dataclasses.fields(self)
-            if torch.is_tensor(value := getattr(self, f.name))
-        }
-        return dataclasses.replace(self, **pinned)
 
     def to(self, device: torch.device | str, image_dtype: torch.dtype = torch.float32) -> MicroBatch:
         """On ``device``, pixels in the model's dtype (Float16Module casts positional inputs only)."""

@@ -5,7 +5,14 @@ before: how a real training loop keeps its GPU fed (Megatron's ``build_pretraini
 The step timer never includes the fetch (``train/loop.py``), so this changes no measured step; it shortens the
 trial, whose GPU otherwise idles while the host draws random pixels, decodes images or packs rows between steps
 (``metrics.json``'s ``data_wait_s``: the fetch that is left). Worker processes rather than a thread: building a
-batch holds the GIL in parts, and a thread would slow the training loop's host side, which is measured.
+batch holds the GIL in parts, and a thread would slow the training loop's host side, which is measured. For the
+same reason no pinning thread runs in the trainer's process (DataLoader's ``pin_memory``): it would unpack and
+pin the next steps during a timed one, and call into CUDA during a graph capture; the trainer's copy to the
+device happens in the fetch, outside the timer.
+
+A step crosses from the worker as one flat tensor per field (:func:`joined`), not one per micro-batch: torch
+shares each tensor through a file descriptor held open while the step lives, and a step of a few hundred
+micro-batches would otherwise run a process out of descriptors.
 
 Steps are built in order, as the trainer asks for them, and are the same micro-batches the source gives
 directly: every source draws a step from its seed and the step's index (``synthetic_images``) or reads its
@@ -14,34 +21,72 @@ shards in order, and one worker process per source keeps that order for a statef
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Iterator
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
 
 PREFETCH_STEPS = 2
 """Steps each worker builds ahead (``DataLoader``'s ``prefetch_factor``): one to hand over, one in the making."""
 
+_TENSORS = tuple(f.name for f in dataclasses.fields(MicroBatch) if f.name not in ("image_tokens", "cu_seqlens"))
 
-class _Steps(Dataset[list[MicroBatch]]):
-    """Step ``i`` of the source as a dataset item: the step's micro-batches."""
+
+@dataclass(frozen=True)
+class JoinedStep:
+    """A step's micro-batches as one flat tensor per field and each micro-batch's shapes."""
+
+    flat: dict[str, torch.Tensor]
+    shapes: list[dict[str, tuple[int, ...]]]
+    image_tokens: int
+
+
+def joined(microbatches: list[MicroBatch]) -> JoinedStep:
+    """``microbatches`` with each field's tensors flattened end to end (``cu_seqlens`` too, where packed)."""
+    fields = [*_TENSORS, *(("cu_seqlens",) if microbatches[0].packed else ())]
+    return JoinedStep(
+        flat={name: torch.cat([getattr(mb, name).reshape(-1) for mb in microbatches]) for name in fields},
+        shapes=[{name: tuple(getattr(mb, name).shape) for name in fields} for mb in microbatches],
+        image_tokens=microbatches[0].image_tokens,
+    )
+
+
+def split(step: JoinedStep) -> list[MicroBatch]:
+    """The micro-batches of ``step``, each field a view of its flat tensor."""
+    offsets = dict.fromkeys(step.flat, 0)
+    out = []
+    for shapes in step.shapes:
+        views: dict[str, Any] = {}
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            views[name] = step.flat[name][offsets[name] : offsets[name] + size].view(shape)
+            offsets[name] += size
+        out.append(MicroBatch(**views, image_tokens=step.image_tokens))
+    return out
+
+
+class _Steps(Dataset[JoinedStep]):
+    """Step ``i`` of the source as a dataset item: the step's micro-batches, joined."""
 
     def __init__(self, source: BatchSource, num_microbatches: int):
         self.source, self.num_microbatches = source, num_microbatches
 
-    def __getitem__(self, step: int) -> list[MicroBatch]:
-        return self.source.step(step, self.num_microbatches)
+    def __getitem__(self, step: int) -> JoinedStep:
+        return joined(self.source.step(step, self.num_microbatches))
 
 
 class Prefetched:
-    """``source``'s steps ``0, 1, ...`` from ``workers`` DataLoader worker processes, pinned for the copy to a
-    GPU where ``pin_memory``. A step asked out of order, or with another micro-batch count, is an error: the
-    workers build what comes next, never what is asked."""
+    """``source``'s steps ``0, 1, ...`` from ``workers`` DataLoader worker processes. A step asked out of order,
+    or with another micro-batch count, is an error: the workers build what comes next, never what is asked."""
 
-    def __init__(self, source: BatchSource, *, num_microbatches: int, workers: int, pin_memory: bool) -> None:
+    def __init__(self, source: BatchSource, *, num_microbatches: int, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"a prefetching source needs at least one worker process, got {workers}")
         self.realism, self.num_microbatches = source.realism, num_microbatches
@@ -51,7 +96,6 @@ class Prefetched:
             sampler=itertools.count(),  # as many steps as the trainer asks for; close() stops the workers
             num_workers=workers,
             prefetch_factor=PREFETCH_STEPS,
-            pin_memory=pin_memory,
             # the trainer's process may hold a CUDA context: the workers never touch CUDA, and fork keeps the
             # source as built (a spawned worker would have to pickle it)
             multiprocessing_context="fork",
@@ -59,7 +103,9 @@ class Prefetched:
             # the model's initialization (the sources seed every sample themselves)
             generator=torch.Generator(),
         )
-        self._steps: Iterator[list[MicroBatch]] = iter(loader)
+        steps = iter(loader)
+        assert isinstance(steps, _MultiProcessingDataLoaderIter)  # num_workers >= 1
+        self._steps = steps
         self._next = 0
 
     def step(self, step: int, num_microbatches: int) -> list[MicroBatch]:
@@ -69,9 +115,10 @@ class Prefetched:
                 f"of {self.num_microbatches}"
             )
         self._next += 1
-        return next(self._steps)
+        return split(next(self._steps))
 
     def close(self) -> None:
-        """Stop the worker processes: the DataLoader's iterator shuts them down when it goes (they are daemons
-        too, so a process that ends without this leaves none behind)."""
-        self._steps = iter(())
+        """Stop the worker processes now. Dropping the iterator is not enough: after a worker's error the
+        exception's traceback still holds it. ``_shutdown_workers`` is what the iterator's own ``__del__`` calls,
+        and the only shutdown torch's DataLoader offers (PyTorch Lightning calls it the same way)."""
+        self._steps._shutdown_workers()

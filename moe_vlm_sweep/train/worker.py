@@ -425,7 +425,14 @@ def run(run_dir: Path) -> None:
     clock.mark("init")
     with (
         training_stream(plan),
-        prefetched(source, cfg.data, device=plan.device, num_microbatches=plan.num_microbatches) as source,
+        prefetched(
+            source,
+            cfg.data,
+            cfg.model,
+            device=plan.device,
+            micro_batch_size=cfg.batch.mbs,
+            num_microbatches=plan.num_microbatches,
+        ) as source,
     ):
         chunks = build_model_chunks(plan)
         clock.mark("build")
