@@ -115,3 +115,12 @@ def test_the_fp8_scope_in_metrics_is_no_tracked_metric():
         "bf16_modules": [["language_model.output_layer", 1]],
     }
     assert [m.key for m in _metrics({"mfu": 0.1, "fp8": fp8}, 0)] == ["mfu"]
+
+
+def test_under_full_recompute_fp8_layers_keep_their_bf16_inputs():
+    from moe_vlm_sweep.plan.memory import activation_parts
+
+    common = [*H100, "model=qwen3_vl_30b_a3b_proxy", "parallel=3d", "batch.mbs=2", "batch.gbs=8", "recompute=full"]
+    bf16, fp8 = (compose_run_config([*common, f"train.precision={p}"]) for p in ("bf16", "fp8"))
+    seq = make_plan(bf16).seq_length
+    assert activation_parts(fp8, seq)["decoder.layers"] == activation_parts(bf16, seq)["decoder.layers"] > 0

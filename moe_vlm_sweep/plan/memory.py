@@ -13,7 +13,8 @@ Static memory per rank (megatron-core, bf16, distributed optimizer):
   (``optim_grads_params``) over data parallelism too. The rank holding the most is counted: the first pipeline
   stage (embedding, vision encoder, projector) or the last (output layer). Frozen modules hold weights only.
   ``train.precision=fp8`` adds TE's FP8 copies of the decoder's GEMM weights (:data:`FP8_WEIGHT_BYTES`) and
-  counts the decoder layers' saved activations at one byte an element (:data:`FP8_ELEMENT_BYTES`).
+  counts the decoder layers' saved activations at one byte an element (:data:`FP8_ELEMENT_BYTES`; under full
+  recompute the layers keep their bf16 inputs only).
 
 Activations per micro-batch, saved for backward (bytes per token per layer, bf16, flash attention: no s x s
 term), after Korthikanti et al. 2022 adapted to GQA, SwiGLU experts and top-k routing, and then to what
@@ -124,10 +125,10 @@ def activation_parts(cfg: RunConfig, seq_length: int, element_bytes: int = WEIGH
     m, d, p, rc = cfg.model, cfg.model.decoder, cfg.parallel, cfg.recompute
     tokens = _decoder_tokens(cfg, seq_length)
     layers = d.num_layers / p.pp
-    layer_bytes = FP8_ELEMENT_BYTES if cfg.train.precision == "fp8" else element_bytes
-    if rc.granularity == "full":
-        decoder = tokens * layers * layer_bytes * d.hidden_size
+    if rc.granularity == "full":  # the layers' inputs, bf16 under FP8 too
+        decoder = tokens * layers * element_bytes * d.hidden_size
     else:
+        layer_bytes = FP8_ELEMENT_BYTES if cfg.train.precision == "fp8" else element_bytes
         moe_share = d.num_moe_layers / d.num_layers
         decoder = (
             tokens
