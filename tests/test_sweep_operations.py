@@ -410,7 +410,7 @@ def test_a_signal_before_the_trial_claims_its_config_spends_no_trial(tmp_path):
             assert sweep.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.01)
         sweep.send_signal(signal.SIGTERM)
-        assert sweep.wait(timeout=60) == 143, log.read_text()[-4000:]
+        assert sweep.wait(timeout=180) == 143, log.read_text()[-4000:]
     finally:
         end_orphans(tmp_path)
     first = only_study(tmp_path).trials[0]
