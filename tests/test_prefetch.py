@@ -110,7 +110,7 @@ def test_the_default_takes_no_worker_where_the_host_has_no_core_to_spare(monkeyp
 
 def test_the_default_takes_no_worker_without_shared_memory_for_the_steps_in_flight(monkeypatch, tmp_path, caplog):
     cfg, source = _source()
-    monkeypatch.setattr("moe_vlm_sweep.data.SHARED_MEMORY", tmp_path)
+    monkeypatch.setattr("moe_vlm_sweep.data.prefetch.SHARED_MEMORY", tmp_path)
     monkeypatch.setattr("shutil.disk_usage", lambda path: type("Usage", (), {"free": 1024})())
     with prefetched(source, cfg.data, cfg.model, device="cuda", micro_batch_size=2, num_microbatches=2) as same:
         assert same is source

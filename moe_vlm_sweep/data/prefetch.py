@@ -23,15 +23,24 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from moe_vlm_sweep.config.schema import DataConf, ModelConf
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
+
+logger = logging.getLogger(__name__)
 
 PREFETCH_STEPS = 2
 """Steps each worker builds ahead (``DataLoader``'s ``prefetch_factor``): one to hand over, one in the making."""
@@ -122,3 +131,54 @@ class Prefetched:
         exception's traceback still holds it. ``_shutdown_workers`` is what the iterator's own ``__del__`` calls,
         and the only shutdown torch's DataLoader offers (PyTorch Lightning calls it the same way)."""
         self._steps._shutdown_workers()
+
+
+SHARED_MEMORY = Path("/dev/shm")
+"""Where torch's worker processes put the steps they hand over (a container's default is often 64 MB)."""
+
+
+def step_bytes(model: ModelConf, *, micro_batch_size: int, num_microbatches: int) -> int:
+    """An upper bound of one step's bytes as a worker hands it over: fp32 pixels and five int64-sized fields
+    per text id."""
+    size = model.vision.image_size
+    sample = model.images_per_sample * 3 * size * size * 4 + 5 * model.text_tokens * 8
+    return num_microbatches * micro_batch_size * sample
+
+
+def no_room_for_workers(workers: int, bytes_per_step: int) -> str | None:
+    """Why this process cannot give ``workers`` prefetching workers their room, or None: each needs a core
+    besides the one the training rank runs on, and shared memory for the steps in flight."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 1 + workers:
+        return f"{cores} core(s) in this process's CPU set, and each worker needs one besides the rank's"
+    in_flight = (workers * PREFETCH_STEPS + 1) * bytes_per_step
+    if SHARED_MEMORY.is_dir() and (free := shutil.disk_usage(SHARED_MEMORY).free) < in_flight:
+        return (
+            f"{free / 2**20:.0f} MiB free in {SHARED_MEMORY}, and the steps in flight need {in_flight / 2**20:.0f} MiB"
+        )
+    return None
+
+
+@contextmanager
+def prefetched(
+    source: BatchSource, data: DataConf, model: ModelConf, *, device: str, micro_batch_size: int, num_microbatches: int
+) -> Iterator[BatchSource]:
+    """``source`` built ahead by ``data.loader_workers`` worker processes, or itself where there are none. The
+    default (None: 1 on a GPU) falls back to none, with a warning, where this host has no core or shared memory to
+    spare for them (:func:`no_room_for_workers`); a number the user set is used as set. The workers stop when the
+    block ends, however it ends (a trial's process may leave with ``os._exit``, which skips the daemons'
+    clean-up)."""
+    workers = data.workers_on(device)
+    if workers and data.loader_workers is None:
+        bytes_per_step = step_bytes(model, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches)
+        if (why := no_room_for_workers(workers, bytes_per_step)) is not None:
+            logger.warning("data.loader_workers: none, where its default is %d: %s", workers, why)
+            workers = 0
+    if not workers:
+        yield source
+        return
+    ahead = Prefetched(source, num_microbatches=num_microbatches, workers=workers)
+    try:
+        yield ahead
+    finally:
+        ahead.close()
