@@ -522,6 +522,18 @@ LONG = ["train.steps=100000", "train.timeout_s=3000"]
 """Trials that run until something ends them."""
 
 
+def _what_the_jobs_did(cwd: Path, jobs: list[str], trials: list, log: Path) -> str:
+    """For a failed assertion on the jobs' states: each trial's outcome, each job's own log and the sweep's."""
+    lines = [
+        f"trial #{t.number}: {t.state.name} {t.user_attrs.get('failure_class')}: {t.user_attrs.get('reason')}"
+        for t in trials
+    ]
+    for job in jobs:
+        for path in sorted((cwd / "outputs" / "multirun").glob(f"*/.submitit/{job}/{job}_0_log.*")):
+            lines += [f"--- {path.name}", path.read_text()[-3000:]]
+    return "\n".join([*lines, "--- sweep log", log.read_text()[-3000:]])
+
+
 def _running_job(cluster, cwd: Path, proc, log: Path, seen: set) -> str:
     """The id of a trial's job the sweep submitted that is RUNNING and not in ``seen``."""
 
@@ -590,8 +602,9 @@ def test_a_job_slurm_ends_at_its_time_limit_is_a_timeout_and_the_sweep_goes_on(c
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert [cluster.job_state(j) for j in jobs] == ["TIMEOUT", "TIMEOUT"]
     trials = only_study(tmp_path).get_trials()
+    states = [cluster.job_state(j) for j in jobs]
+    assert states == ["TIMEOUT", "TIMEOUT"], _what_the_jobs_did(tmp_path, jobs, trials, log)
     assert [t.user_attrs["failure_class"] for t in trials] == ["timeout", "timeout"], log.read_text()[-3000:]
     assert all("(state: TIMEOUT" in t.user_attrs["reason"] for t in trials), [t.user_attrs["reason"] for t in trials]
     children = children_by_trial(mlflow_runs(tmp_path))

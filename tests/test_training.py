@@ -35,8 +35,10 @@ def test_tiny_run_writes_every_metric(run_cli):
     startup = {f"startup.{phase}" for phase in ("imports", "init", "build", "wrap")}
     assert set(wall) == startup | {"warmup", "measured", "profile", "census"}
     assert all(wall[k] > 0 for k in startup) and wall["measured"] >= sum(metrics["step_time_s"]["steps"])
+    # train.warmup_steps=2: one plain warm-up step, then the census step
+    assert metrics["loss"]["phases"] == ["warmup", "census", *["measured"] * 4, "profile"]
     warmup = metrics["warmup_step_time_s"]
-    assert len(warmup) == 2 and all(v > 0 for v in warmup) and wall["warmup"] >= sum(warmup)  # train.warmup_steps=2
+    assert len(warmup) == 1 and all(v > 0 for v in warmup) and wall["warmup"] >= sum(warmup)
     assert metrics["graphed_layers"] == 0
     assert metrics["cuda_alloc_conf"].endswith("expandable_segments:False")  # the launcher's, from the config
     assert metrics["gc_in_measured_steps"] == {"count": 0, "seconds": 0.0}  # train.manual_gc, the default
@@ -63,6 +65,17 @@ def _census(run_cli, *overrides: str) -> tuple[dict, dict, str]:
         census["predicted_gib"],
         (run_dir / "saved_tensors.txt").read_text(),
     )
+
+
+def test_the_census_needs_a_plain_warmup_step_before_it(run_cli):
+    """With a single warm-up step (the one that pays the one-time costs, which the census's hooks must not
+    share) the census is a step of its own after the measured ones, still before the profile step."""
+    code, run_dir = run_cli("model=tiny", "train.warmup_steps=1", "train.steps=2", "train.profile_steps=1")
+    assert code == 0, (run_dir / "worker.log").read_text()
+    metrics = read_json(run_dir / "metrics.json")
+    assert metrics["loss"]["phases"] == ["warmup", "measured", "measured", "census", "profile"]
+    assert metrics["saved_activations"]["measured_gib"]["total"] > 0
+    assert len(metrics["warmup_step_time_s"]) == 1 and len(metrics["step_time_s"]["steps"]) == 2
 
 
 def test_a_census_that_cannot_count_is_a_visible_census_failure(run_cli, tmp_path, monkeypatch):
@@ -139,8 +152,9 @@ def test_loss_falls_on_a_fixed_batch(run_cli):
         "train.lr=3e-3",
     )
     assert code == 0, (run_dir / "worker.log").read_text()
-    loss = read_json(run_dir / "metrics.json")["loss"]["values"]
-    assert len(loss) == 30
+    recorded = read_json(run_dir / "metrics.json")["loss"]
+    loss = [v for v, phase in zip(recorded["values"], recorded["phases"]) if phase == "measured"]
+    assert len(loss) == 30 and recorded["phases"][30:] == ["census"]  # no warm-up step for the census to take
     assert loss[-1] < 0.5 * loss[0], loss
 
 

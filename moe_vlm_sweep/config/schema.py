@@ -480,7 +480,8 @@ class TrainConf:
     memory: the padded MBS 112 run on the H200 ran out of memory with 18.8 GiB reserved but unallocated
     (``benchmarks/results/h200_small_fused/h200_mbs96_repeats.json``). GPU only."""
     activation_census: bool = True
-    """After the measured steps, one step counts the tensors autograd saves for backward, per part of the model
+    """One untimed step (the last warm-up step, or one after the measured steps with fewer than two warm-up steps:
+    ``train/loop.py: Trainer.schedule``) counts the tensors autograd saves for backward, per part of the model
     (``train/census.py``): ``metrics.json``'s ``saved_activations``, next to the memory estimate's parts. Not with
     CUDA graphs, whose replayed layers save out of the hooks' sight."""
     timeout_s: float = 600.0

@@ -77,7 +77,7 @@ class Loss:
 
     values: list[float]
     phases: list[str]
-    """Per step: ``warmup``, ``measured`` or ``profile``."""
+    """Per step: ``warmup``, ``census`` (an untimed step counting saved tensors), ``measured`` or ``profile``."""
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,6 @@
 """What autograd saves for backward, per part of the model: the activations ``plan/memory.py`` estimates, measured.
 
-A census step runs after the measured steps, before the profile steps, with
+A census step (an untimed one: the last warm-up step, ``train/loop.py: Trainer.schedule``) runs with
 ``torch.autograd.graph.saved_tensors_hooks`` on. Every tensor saved for backward until the step's first backward
 unpacks one is counted once per storage (a view, or a tensor two nodes save, shares one), at the size the storage
 has then (selective recompute frees some outputs after saving them), parameters and views of them excluded,

@@ -73,9 +73,9 @@ class TrainResult:
     """Wall-clock seconds per part of the schedule (``warmup``, ``capture``, ``measured``, ``profile``), data,
     reductions and syncs included: what a run costs beyond its measured steps."""
     warmup_step_times: list[float] = field(default_factory=list)
+    """Seconds of each warm-up step, timed like a measured one (synced, without fetching data)."""
     data_wait_s: list[float] = field(default_factory=list)
     """Per measured step, the seconds its micro-batches took to fetch (decode included) before its timer started."""
-    """Seconds of each warm-up step, timed like a measured one (synced, without fetching data)."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
     saved_activation_bytes: dict[str, int] | None = None
@@ -309,15 +309,21 @@ class Trainer:
         )
 
     def schedule(self) -> list[tuple[Phase, int]]:
-        """The phases in order and their steps: the census before the profiling hooks, which stay on to the end."""
+        """The phases in order and their steps. The census step is the last warm-up step: an untimed step that
+        would run anyway, so the census costs a trial no step of its own. The first warm-up step stays plain, as
+        it absorbs the one-time costs (kernel loads, compiles) that must not be paid under the census's hooks; so
+        with fewer than two warm-up steps the census is a step of its own after the measured ones. It always
+        comes before the profile steps, whose hooks stay on to the end."""
         t = self.cfg.train
-        census = t.activation_census and self.cfg.cuda_graph.impl == "none"
-        return [
-            ("warmup", t.warmup_steps),
-            ("measured", t.steps),
-            ("census", int(census)),
-            ("profile", t.profile_steps),
-        ]
+        census = int(t.activation_census and self.cfg.cuda_graph.impl == "none")
+        if census and t.warmup_steps >= 2:
+            return [
+                ("warmup", t.warmup_steps - 1),
+                ("census", 1),
+                ("measured", t.steps),
+                ("profile", t.profile_steps),
+            ]
+        return [("warmup", t.warmup_steps), ("measured", t.steps), ("census", census), ("profile", t.profile_steps)]
 
     def run(
         self,
@@ -325,8 +331,8 @@ class Trainer:
         trace_dir: Path | None = None,
         on_measured: Callable[[float, BatchTokens], None] = lambda seconds, batch: None,
     ) -> TrainResult:
-        """Warmup and measured steps, a census step, profile steps; with ``trace_dir``, torch.profiler covers the
-        profile steps. ``on_measured`` gets each measured step's time and tokens as soon as it is known."""
+        """The steps of ``schedule``; with ``trace_dir``, torch.profiler covers the profile steps. ``on_measured``
+        gets each measured step's time and tokens as soon as it is known."""
         result = TrainResult()
         for model in self.models:
             model.train()
@@ -379,22 +385,21 @@ class Trainer:
     def _record(
         self, step: int, total: int, phase: Phase, microbatches: list[MicroBatch], seconds: float, result: TrainResult
     ) -> None:
-        """The step's time in its phase's list, and (but for the census, a measurement of memory whose loss would
-        make runs differ in length) its world-wide loss and tokens and a progress line."""
+        """The step's time in its phase's list (the census step, timed with its hooks on, in none), and its
+        world-wide loss and tokens and a progress line."""
         if phase == "measured":
             result.step_times.append(seconds)
         elif phase == "warmup":
             result.warmup_step_times.append(seconds)
-        if phase != "census":
-            self._reduce(step, microbatches, result)
-            result.phases.append(phase)
-            _progress_line(step, total, phase, seconds, result)
+        self._reduce(step, microbatches, result)
+        result.phases.append(phase)
+        _progress_line(step, total, phase, seconds, result)
 
     def _census_step(self, microbatches: list[MicroBatch]) -> tuple[dict[str, int] | None, str | None, str | None]:
         """One step under the census: (bytes per part, sources table, None), or (None, None, why it failed).
-        It runs after the timed steps, so if a library on some machine rejects saved-tensor hooks, the run keeps
-        its results and ``metrics.json`` says why the census is missing (``census_failure``). Running out of
-        memory is the config's, not the census's: it fails the run as any step would."""
+        If a library on some machine rejects saved-tensor hooks, the run goes on to its measured steps and
+        ``metrics.json`` says why the census is missing (``census_failure``). Running out of memory is the
+        config's, not the census's: it fails the run as any step would."""
         try:
             with SavedTensorCensus(self.chunks) as counted:
                 self._step(microbatches)

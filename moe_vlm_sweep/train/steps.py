@@ -4,7 +4,8 @@ A trial's measured steps are what a sweep pays for; once their coefficient of va
 ``train.target_cv``, more steps move the median by less than the noise and only cost GPU time. So with
 ``train.target_cv`` set, measuring stops after the first step at which the CV of all the steps so far is at or below
 it, never before ``train.min_steps`` (a CV of two or three steps says little), and never past ``train.steps``
-(the ceiling). Without it, a run measures exactly ``train.steps``. The census and profile steps still follow.
+(the ceiling). Without it, a run measures exactly ``train.steps``. The steps after them (the profile steps, and a
+census step that had no warm-up step to take) still run.
 
 Every rank must stop at the same step (a rank that stops alone hangs the others in a collective), so each step's
 time is the slowest rank's, agreed by one all-reduce of one number after the step's clock has stopped: that is also
