@@ -142,6 +142,17 @@ def test_trace_covers_the_profile_steps(run_cli):
     assert sites and any(".py(" in line for line in copies[sites[0] + 1 :])
 
 
+def test_the_first_step_trace_covers_the_first_step_alone(run_cli):
+    """train.trace_first_step: the first warm-up step's ops, by host time, and its trace: one optimizer step."""
+    code, run_dir = run_cli("model=tiny", "train.steps=2", "train.profile_steps=0", "train.trace_first_step=true")
+    assert code == 0, (run_dir / "worker.log").read_text()
+    ops = (run_dir / "first_step_ops.txt").read_text()
+    assert ops.startswith("ops by self host (CPU) time") and "aten::" in ops
+    events = read_json(run_dir / "first_step_trace.json")["traceEvents"]
+    assert len([e for e in events if e.get("name", "").startswith("Optimizer.step#")]) == 1, "one step traced"
+    assert not (run_dir / "trace.json").exists()  # train.trace's, of the profile steps, is another knob
+
+
 def test_loss_falls_on_a_fixed_batch(run_cli):
     code, run_dir = run_cli(
         "model=tiny",

@@ -145,6 +145,7 @@ KNOBS: dict[str, Knob] = {
             "min_steps",
             "profile_steps",
             "trace",
+            "trace_first_step",
             "manual_gc",
             "expandable_segments",
             "activation_census",

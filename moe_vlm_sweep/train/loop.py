@@ -330,9 +330,11 @@ class Trainer:
         on_step: Callable[[int], None] = lambda step: None,
         trace_dir: Path | None = None,
         on_measured: Callable[[float, BatchTokens], None] = lambda seconds, batch: None,
+        first_step_trace_dir: Path | None = None,
     ) -> TrainResult:
-        """The steps of ``schedule``; with ``trace_dir``, torch.profiler covers the profile steps. ``on_measured``
-        gets each measured step's time and tokens as soon as it is known."""
+        """The steps of ``schedule``; with ``trace_dir``, torch.profiler covers the profile steps, and with
+        ``first_step_trace_dir`` the first step. ``on_measured`` gets each measured step's time and tokens as soon
+        as it is known."""
         result = TrainResult()
         for model in self.models:
             model.train()
@@ -361,7 +363,8 @@ class Trainer:
                         if phase == "measured":
                             result.data_wait_s.append(time.perf_counter() - fetching)
                         timer = measure.StepTimer(self.plan.device, pauses, count_gc=phase == "measured")
-                        with profiling.step(phase), timer:
+                        traced = measure.first_step_trace(first_step_trace_dir if step == 0 else None, self.plan.device)
+                        with traced, profiling.step(phase), timer:
                             self._phase_step(phase, microbatches, result)
                         self._record(step, total, phase, microbatches, timer.seconds, result)
                         if self.cfg.cuda_graph.impl == "local" and step == 0:

@@ -210,6 +210,28 @@ def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str)
     (trace_dir / "copies.txt").write_text("\n".join(lines) + "\n")
 
 
+FIRST_STEP_TRACE, FIRST_STEP_OPS = "first_step_trace.json", "first_step_ops.txt"
+
+
+@contextlib.contextmanager
+def first_step_trace(trace_dir: Path | None, device: str) -> Iterator[None]:
+    """torch.profiler over one step (``train.trace_first_step``), written to ``trace_dir`` when the step ended
+    normally: the Chrome trace and the ops by self host time (what the host did before the device could start:
+    module loads inside launches, plan builds, autotuning), then on a GPU by self device time. No-op without a
+    ``trace_dir``."""
+    if trace_dir is None:
+        yield
+        return
+    with _profiler(device) as profiler:
+        yield
+    profiler.export_chrome_trace(str(trace_dir / FIRST_STEP_TRACE))
+    averages = profiler.key_averages()
+    tables = ["ops by self host (CPU) time", averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device == "cuda":
+        tables += ["ops by self device time", averages.table(sort_by="self_device_time_total", row_limit=40)]
+    (trace_dir / FIRST_STEP_OPS).write_text("\n\n".join(tables) + "\n")
+
+
 class Profiling:
     """The profile steps' measurement, started at the first of them and kept on to the end of the run (they come
     last): torch.profiler when there is a ``trace_dir``, and the per-component split (hooks on the components, the

@@ -449,6 +449,7 @@ def run(run_dir: Path) -> None:
             on_step=on_step,
             trace_dir=run_dir if cfg.train.trace else None,
             on_measured=on_measured,
+            first_step_trace_dir=run_dir if cfg.train.trace_first_step and dist.get_rank() == 0 else None,
         )
     probe.stop()  # measuring stopped early by train.target_cv: the window ends here
     contention = gathered_contention(probe)
