@@ -7,8 +7,10 @@
 # where the tree has no .git; TIME_S: the wall-clock seconds the whole run may take (default 570), which the sweep
 # and confirm steps divide among themselves.
 #   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline |
-#         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack | h100packed=N | trialcost | probes
-#   Every step but gputests, h100packing, h100packed, trialcost, probes, imports and pack needs an H200's memory:
+#         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack | h100packed=N | trialcost | probes |
+#         firststep
+#   Every step but gputests, h100packing, h100packed, trialcost, probes, firststep, imports and pack needs an H200's
+#   memory:
 #   on a smaller card the script stops before them rather than run out of memory or mix machines in one study;
 #   h100packed needs an H100 (80 GB): its study is that card's alone.
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
@@ -43,6 +45,9 @@
 #   trialcost benchmarks/trial_cost.py's GPU configs, before against now (about 100 s a `before` trial, 30 s a
 #             `now` one), on this card's hardware group
 #   probes    trial_cost.py's fusion probes alone, two rounds (the first fills the compile caches)
+#   firststep what a trial's first step pays that later steps do not: trial_cost.py's MBS 48 config as a sweep runs
+#             it now, twice (the first fills the compile caches), each first step traced (train.trace_first_step);
+#             each run's first_step_ops.txt lands in $OUT
 #   pack      outputs/ (with its exported experiments) and the step folders as $OUT/outputs.tgz
 set -u
 [[ -z ${INSTALL:-} ]] || eval "$INSTALL" >/dev/null || exit 1
@@ -56,7 +61,7 @@ D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 for step in "$@"; do
   case "$step" in
-    gputests*|h100packing|imports|pack|trialcost|probes) ;;
+    gputests*|h100packing|imports|pack|trialcost|probes|firststep) ;;
     h100packed=*) nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 ||
       { echo "step $step is the H100's study; this card is $(nvidia-smi --query-gpu=name --format=csv,noheader)" >&2; exit 2; } ;;
     *) (( mem_mib > 100000 )) || { echo "step $step needs an H200; this card has ${mem_mib} MiB" >&2; exit 2; } ;;
@@ -159,6 +164,16 @@ for step in "$@"; do
       args=(--no-fusion-probes --workdir /tmp/trialcost --out "$OUT/trial_cost_$HW.json")
       [[ $step == probes ]] && args=(--probes-only --repeats 2 --workdir /tmp/probes --out "$OUT/trial_cost_probes_$HW.json")
       (cd benchmarks && timeout $t python3 trial_cost.py --hardware $HW "${args[@]}" | tail -12)
+      stop_orphans ;;
+    firststep)  # about 40 s a trial, the first one longer (the host's start, empty caches)
+      t=$(( $(left) - 10 ))
+      (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
+      (cd benchmarks && timeout $t python3 trial_cost.py --hardware $HW --only-mode now --no-fusion-probes --repeats 2 \
+        --config mbs48=batch.mbs=48 --also train.trace_first_step=true --workdir /tmp/firststep \
+        --out "$OUT/first_step_$HW.json" | tail -6)
+      for run in /tmp/firststep/now/runs/*/; do
+        cp "$run/first_step_ops.txt" "$OUT/first_step_ops_$(basename "$run").txt"
+      done
       stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \

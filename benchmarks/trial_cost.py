@@ -288,6 +288,9 @@ def main() -> int:
     parser.add_argument("--hardware", default="cpu", help="cpu, or a GPU hardware group (h100, h200, ...)")
     parser.add_argument("--common", help="overrides of every config (default: the hardware's preset)")
     parser.add_argument(
+        "--also", default="", help="overrides added to --common or the preset (train.trace_first_step=true)"
+    )
+    parser.add_argument(
         "--config",
         action="append",
         default=[],
@@ -316,6 +319,7 @@ def main() -> int:
         parser.error("--probes-only runs the fusion probes, which need a GPU hardware group and no --no-fusion-probes")
     common, presets = PRESETS["cpu" if on_cpu else "gpu"]
     common = args.common if args.common is not None else f"{common} hardware={args.hardware}"
+    common = f"{common} {args.also}".strip()
     configs = dict(c.split("=", 1) for c in args.config) or presets
     warm_now = {"default": SweepConf().warm_host, "on": True, "off": False}[args.warm_host]
     before, now = modes(args.hardware, warm_now)

@@ -68,9 +68,10 @@ def test_a_result_is_rewritten_whole_and_says_whether_it_is_complete(tmp_path):
 @pytest.mark.slow
 def test_trial_cost_writes_each_trial_as_it_finishes(tmp_path):
     """A run cut off by a time limit keeps its trials: the JSON holds the first trial while the second runs, and
-    the last write says the run is complete."""
+    the last write says the run is complete. ``--also`` adds overrides to the preset's (a traced first step)."""
     out = tmp_path / "cost.json"
     command = [sys.executable, "trial_cost.py", "--hardware", "cpu", "--config", "a=batch.mbs=1", "--repeats", "1"]
+    command += ["--also", "train.trace_first_step=true"]
     command += ["--workdir", str(tmp_path / "work"), "--out", str(out)]
     proc = subprocess.Popen(command, cwd=BENCHMARKS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -89,3 +90,5 @@ def test_trial_cost_writes_each_trial_as_it_finishes(tmp_path):
     assert proc.returncode == 0, log[-3000:]
     final = json.loads(out.read_text())
     assert final["complete"] is True and [r["mode"] for r in final["rows"]] == ["before", "now"]
+    assert final["common"].endswith(" train.trace_first_step=true")
+    assert all((Path(r["run_dir"]) / "first_step_ops.txt").is_file() for r in final["rows"])

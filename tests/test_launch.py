@@ -46,6 +46,30 @@ def test_killed_worker_is_a_crash(tmp_path):
     assert RunResult.read(run_dir).status == "crash"
 
 
+def test_a_native_crash_leaves_the_workers_python_stacks_in_its_log(tmp_path):
+    """A worker killed by a fatal signal (a segfault in a native library) is a crash, and its log says what each
+    thread was running: faulthandler's stacks, as failure.json cannot be written."""
+    plan, run_dir = prepared(tmp_path, LONG)
+    box: dict[str, RunResult] = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", launch(plan, run_dir)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "measured]" not in _text(run_dir / "worker.log"):
+        time.sleep(0.2)
+    pids = _worker_pids(run_dir)
+    assert pids, "the worker never trained"
+    os.kill(pids[0], signal.SIGSEGV)
+    thread.join(timeout=120)
+    assert box["r"].status == "crash" and "SIGSEGV" in box["r"].reason
+    log = (run_dir / "worker.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in log
+    assert "moe_vlm_sweep/train/" in log.split("Fatal Python error")[1]  # the stack reaches the training code
+
+
+def _text(path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def test_hang_past_timeout_is_a_timeout(tmp_path, run_cli):
     code, run_dir = run_cli(*LONG, "train.timeout_s=15")
     assert code == 1

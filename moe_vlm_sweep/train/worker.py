@@ -13,6 +13,7 @@ appends each measured step to ``progress.jsonl`` as it ends, for a sweep's early
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib
 import importlib.util
 import json
@@ -509,6 +510,9 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[1] == SERVE_FLAG:
         return serve([*PRELOAD, *argv[2:]], main)
     configure_logging(prefix="[worker] ")
+    # A native crash (SIGSEGV, SIGABRT on a corrupted heap, SIGBUS) ends the worker without a Python exception,
+    # so failure.json cannot say where: every thread's Python stack goes to the worker's log instead.
+    faulthandler.enable(all_threads=True)
     watch_launcher()
     if len(argv) != 2:
         say("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", err=True)
