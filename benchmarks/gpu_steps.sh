@@ -47,7 +47,7 @@
 #   probes    trial_cost.py's fusion probes alone, two rounds (the first fills the compile caches)
 #   firststep what a trial's first step pays that later steps do not: trial_cost.py's MBS 48 config as a sweep runs
 #             it now, twice (the first fills the compile caches), each first step traced (train.trace_first_step);
-#             each run's first_step_ops.txt lands in $OUT
+#             each run's first_step_host_ops.txt and first_step_kernels.txt land in $OUT
 #   pack      outputs/ (with its exported experiments) and the step folders as $OUT/outputs.tgz
 set -u
 [[ -z ${INSTALL:-} ]] || eval "$INSTALL" >/dev/null || exit 1
@@ -172,7 +172,7 @@ for step in "$@"; do
         --config mbs48=batch.mbs=48 --also train.trace_first_step=true --workdir /tmp/firststep \
         --out "$OUT/first_step_$HW.json" | tail -6)
       for run in /tmp/firststep/now/runs/*/; do
-        cp "$run/first_step_ops.txt" "$OUT/first_step_ops_$(basename "$run").txt"
+        for f in host_ops kernels; do cp "$run/first_step_$f.txt" "$OUT/first_step_${f}_$(basename "$run").txt"; done
       done
       stop_orphans ;;
     baseline)

@@ -91,4 +91,4 @@ def test_trial_cost_writes_each_trial_as_it_finishes(tmp_path):
     final = json.loads(out.read_text())
     assert final["complete"] is True and [r["mode"] for r in final["rows"]] == ["before", "now"]
     assert final["common"].endswith(" train.trace_first_step=true")
-    assert all((Path(r["run_dir"]) / "first_step_ops.txt").is_file() for r in final["rows"])
+    assert all((Path(r["run_dir"]) / "first_step_host_ops.txt").is_file() for r in final["rows"])

@@ -470,11 +470,11 @@ class TrainConf:
     """Run torch.profiler over the profile steps: ``trace.json`` (Chrome trace) and ``kernels.txt`` (top ops by
     device time) in the run directory, to see whether the GPU idles (launch-bound) or computes."""
     trace_first_step: bool = False
-    """Run torch.profiler over the run's first step alone: ``first_step_trace.json`` and ``first_step_ops.txt``
-    (ops by self host time, and on a GPU by device time) in the run directory. The first step pays what no later
-    step repeats (CUDA kernel modules loaded at their first launch, cuDNN attention plans built per shape,
-    autotuning, the allocator's growth); this says which, inside a trial's warm-up. The profiler's own overhead
-    lands in that step's time."""
+    """Run torch.profiler over the run's first step alone: ``train.trace``'s files under the ``first_step_``
+    prefix (``first_step_trace.json``, ``first_step_host_ops.txt``, ...). The first step pays what no later step
+    repeats (CUDA kernel modules loaded at their first launch, cuDNN attention plans built per shape, autotuning,
+    the allocator's growth); this says which, inside a trial's warm-up. The profiler's own overhead lands in that
+    step's time."""
     manual_gc: bool = True
     """Collect Python's garbage once after the warmup steps, then keep the collector off until the run ends (as
     Megatron-LM's ``--manual-gc``), so no collection pause lands inside a timed step of a host-bound loop.

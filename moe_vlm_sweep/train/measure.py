@@ -190,12 +190,17 @@ def _call_site(event) -> tuple[str, ...]:
     return ("(no caller recorded: an op issued from C++ alone)",)
 
 
-def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str) -> None:
-    """``trace.json`` (open in Perfetto or chrome://tracing), ``kernels.txt`` (ops by self device time) and
-    ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site that issued them)."""
-    profiler.export_chrome_trace(str(trace_dir / "trace.json"))
+def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str, prefix: str = "") -> None:
+    """``trace.json`` (open in Perfetto or chrome://tracing), ``kernels.txt`` (ops by self device time),
+    ``host_ops.txt`` (ops by self CPU time: what the host did, launches and plan builds included) and
+    ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site that issued them), each
+    name after ``prefix``."""
+    profiler.export_chrome_trace(str(trace_dir / f"{prefix}trace.json"))
+    averages = profiler.key_averages()
     sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    (trace_dir / "kernels.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+    (trace_dir / f"{prefix}kernels.txt").write_text(averages.table(sort_by=sort, row_limit=40) + "\n")
+    host = averages.table(sort_by="self_cpu_time_total", row_limit=40)
+    (trace_dir / f"{prefix}host_ops.txt").write_text(host + "\n")
     sites: dict[tuple[str, tuple[str, ...]], list[float]] = {}
     for e in profiler.events():
         if e.name in COPY_OPS:
@@ -207,29 +212,24 @@ def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str)
     for (op, frames), (own, count) in sorted(sites.items(), key=lambda item: -item[1][0])[:30]:
         lines.append(f"\n{own / 1e3:9.2f} ms  {count:6d} calls  {op}")
         lines += [f"    {frame}" for frame in frames]
-    (trace_dir / "copies.txt").write_text("\n".join(lines) + "\n")
+    (trace_dir / f"{prefix}copies.txt").write_text("\n".join(lines) + "\n")
 
 
-FIRST_STEP_TRACE, FIRST_STEP_OPS = "first_step_trace.json", "first_step_ops.txt"
+FIRST_STEP = "first_step_"
+"""The prefix of the first step's trace files (``train.trace_first_step``) beside the profile steps' own."""
 
 
 @contextlib.contextmanager
 def first_step_trace(trace_dir: Path | None, device: str) -> Iterator[None]:
-    """torch.profiler over one step (``train.trace_first_step``), written to ``trace_dir`` when the step ended
-    normally: the Chrome trace and the ops by self host time (what the host did before the device could start:
-    module loads inside launches, plan builds, autotuning), then on a GPU by self device time. No-op without a
+    """torch.profiler over one step (``train.trace_first_step``), written as :func:`_write_trace` writes the
+    profile steps' trace, under the ``first_step_`` prefix, when the step ended normally. No-op without a
     ``trace_dir``."""
     if trace_dir is None:
         yield
         return
     with _profiler(device) as profiler:
         yield
-    profiler.export_chrome_trace(str(trace_dir / FIRST_STEP_TRACE))
-    averages = profiler.key_averages()
-    tables = ["ops by self host (CPU) time", averages.table(sort_by="self_cpu_time_total", row_limit=40)]
-    if device == "cuda":
-        tables += ["ops by self device time", averages.table(sort_by="self_device_time_total", row_limit=40)]
-    (trace_dir / FIRST_STEP_OPS).write_text("\n\n".join(tables) + "\n")
+    _write_trace(profiler, trace_dir, device, prefix=FIRST_STEP)
 
 
 class Profiling:
