@@ -8,9 +8,9 @@
 # and confirm steps divide among themselves.
 #   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline |
 #         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack | h100packed=N | trialcost | probes |
-#         firststep
-#   Every step but gputests, h100packing, h100packed, trialcost, probes, firststep, imports and pack needs an H200's
-#   memory:
+#         firststep | kernelwall
+#   Every step but gputests, h100packing, h100packed, trialcost, probes, firststep, kernelwall, imports and pack needs
+#   an H200's memory:
 #   on a smaller card the script stops before them rather than run out of memory or mix machines in one study;
 #   h100packed needs an H100 (80 GB): its study is that card's alone.
 #   graphs    every CUDA-graph scope against eager on model=small (3D, MBS 32, 1664 decoder tokens), with TE's
@@ -48,6 +48,8 @@
 #   firststep what a trial's first step pays that later steps do not: trial_cost.py's MBS 48 config as a sweep runs
 #             it now, twice (the first fills the compile caches), each first step traced (train.trace_first_step);
 #             each run's first_step_host_ops.txt and first_step_kernels.txt land in $OUT
+#   kernelwall  this card's best config (kernel_wall.py's preset) against the plain training loop of the same
+#             recipe, alternating, three runs each (about 40 s a run)
 #   pack      outputs/ (with its exported experiments) and the step folders as $OUT/outputs.tgz
 set -u
 [[ -z ${INSTALL:-} ]] || eval "$INSTALL" >/dev/null || exit 1
@@ -61,7 +63,7 @@ D="dispatcher.capacity_factor=1.0 dispatcher.pad_to_capacity=true"
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 for step in "$@"; do
   case "$step" in
-    gputests*|h100packing|imports|pack|trialcost|probes|firststep) ;;
+    gputests*|h100packing|imports|pack|trialcost|probes|firststep|kernelwall) ;;
     h100packed=*) nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 ||
       { echo "step $step is the H100's study; this card is $(nvidia-smi --query-gpu=name --format=csv,noheader)" >&2; exit 2; } ;;
     *) (( mem_mib > 100000 )) || { echo "step $step needs an H200; this card has ${mem_mib} MiB" >&2; exit 2; } ;;
@@ -174,6 +176,12 @@ for step in "$@"; do
       for run in /tmp/firststep/now/runs/*/; do
         for f in host_ops kernels; do cp "$run/first_step_$f.txt" "$OUT/first_step_${f}_$(basename "$run").txt"; done
       done
+      stop_orphans ;;
+    kernelwall)
+      t=$(( $(left) - 10 ))
+      (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
+      (cd benchmarks && timeout $t python3 kernel_wall.py --hardware $HW --rounds 3 --outputs /tmp/kernelwall \
+        --out "$OUT/kernel_wall_$HW.json" | tail -12)
       stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \

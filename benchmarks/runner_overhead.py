@@ -29,6 +29,7 @@ from compare_configs import git_commit
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch.local import launch
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
+from moe_vlm_sweep.model.flops import BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan, make_plan
 
 BARE_RESULT = "bare.json"
@@ -52,21 +53,31 @@ def bare_loop(run_dir: Path) -> None:
         cpu_compat.apply()
     init_distributed(plan)
     with training_stream(plan):
-        times = _bare_steps(plan)
+        times, batches = _bare_steps(plan)
+    rates = bare_rates(plan, times, batches)
     if dist.get_rank() == 0:
-        (run_dir / BARE_RESULT).write_text(json.dumps({"step_times": times}) + "\n")
+        (run_dir / BARE_RESULT).write_text(json.dumps({"step_times": times, **rates}) + "\n")
     dist.destroy_process_group()
 
 
-def _bare_steps(plan: RunPlan) -> list[float]:
-    """Build, wrap and train with the bare loop; the measured steps' times."""
+def bare_rates(plan: RunPlan, times: list[float], batches: list[BatchTokens]) -> dict:
+    """The bare loop's throughput as the worker reports its own (``train/worker.py: step_rates``): the measured
+    steps' mean batch over their median time, against the card's datasheet peak (one process, one replica)."""
+    from moe_vlm_sweep.train.worker import measure_peak_tflops, step_rates
+
+    peak, _ = measure_peak_tflops(plan)
+    return step_rates(plan, BatchTokens.mean(batches), statistics.median(times), peak)
+
+
+def _bare_steps(plan: RunPlan) -> tuple[list[float], list[BatchTokens]]:
+    """Build, wrap and train with the bare loop; the measured steps' times and batches."""
     import torch
     from megatron.core import parallel_state
 
     from moe_vlm_sweep.data import make_source
     from moe_vlm_sweep.model.build import build_model_chunks
     from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs
-    from moe_vlm_sweep.train.loop import wrap_for_training
+    from moe_vlm_sweep.train.loop import step_tokens, wrap_for_training
 
     cfg = plan.run_config
     models, optimizer = wrap_for_training(plan, build_model_chunks(plan))
@@ -81,6 +92,7 @@ def _bare_steps(plan: RunPlan) -> list[float]:
     )
     cuda = plan.device == "cuda"
     times: list[float] = []
+    batches: list[BatchTokens] = []
     model.train()
     for step in range(cfg.train.warmup_steps + cfg.train.steps):
         if cfg.train.manual_gc and step == cfg.train.warmup_steps:  # the collector as the worker handles it
@@ -115,10 +127,11 @@ def _bare_steps(plan: RunPlan) -> list[float]:
             torch.cuda.synchronize()
         if step >= cfg.train.warmup_steps:
             times.append(time.perf_counter() - start)
-    return times
+            batches.append(step_tokens(microbatches, plan.seq_length))
+    return times, batches
 
 
-def _bare(plan: RunPlan, outputs: Path, name: str) -> dict:
+def run_bare(plan: RunPlan, outputs: Path, name: str) -> dict:
     run_dir = new_run_dir(outputs, prefix=f"{name}-bare")
     prepare(run_dir, plan, "")
     with open(run_dir / "bare.log", "wb") as log:
@@ -134,11 +147,12 @@ def _bare(plan: RunPlan, outputs: Path, name: str) -> dict:
             "run_dir": str(run_dir),
             "log_tail": (run_dir / "bare.log").read_text(errors="replace")[-3000:],
         }
-    times = json.loads((run_dir / BARE_RESULT).read_text())["step_times"]
-    return {"status": "ok", "run_dir": str(run_dir), "median": statistics.median(times), "steps": times}
+    result = json.loads((run_dir / BARE_RESULT).read_text())
+    times = result.pop("step_times")
+    return {"status": "ok", "run_dir": str(run_dir), "median": statistics.median(times), "steps": times, **result}
 
 
-def _worker(plan: RunPlan, outputs: Path, name: str) -> dict:
+def run_worker(plan: RunPlan, outputs: Path, name: str) -> dict:
     run_dir = new_run_dir(outputs, prefix=f"{name}-worker")
     prepare(run_dir, plan, "")
     result = launch(plan, run_dir)
@@ -157,6 +171,8 @@ def _worker(plan: RunPlan, outputs: Path, name: str) -> dict:
         "median": st.median,
         "steps": st.steps,
         "mfu": result.metrics.mfu,
+        "effective_tokens_per_s_per_gpu": result.metrics.effective_tokens_per_s_per_gpu,
+        "recipe": result.metrics.recipe,
     }
 
 
@@ -164,8 +180,8 @@ def compare(name: str, overrides: list[str], outputs: Path, repeats: int) -> dic
     plan = make_plan(compose_run_config([*overrides, f"outputs_dir={outputs}"]), overrides)
     runs: dict[str, list[dict]] = {"worker": [], "bare": []}
     for _ in range(repeats):
-        runs["worker"].append(_worker(plan, outputs, name))
-        runs["bare"].append(_bare(plan, outputs, name))
+        runs["worker"].append(run_worker(plan, outputs, name))
+        runs["bare"].append(run_bare(plan, outputs, name))
     row = {"config": name, "overrides": overrides, "runs": runs}
     if all(r["status"] == "ok" for rs in runs.values() for r in rs):
         worker = statistics.median(r["median"] for r in runs["worker"])

@@ -92,3 +92,52 @@ def test_trial_cost_writes_each_trial_as_it_finishes(tmp_path):
     assert final["complete"] is True and [r["mode"] for r in final["rows"]] == ["before", "now"]
     assert final["common"].endswith(" train.trace_first_step=true")
     assert all((Path(r["run_dir"]) / "first_step_host_ops.txt").is_file() for r in final["rows"])
+
+
+def _kernel_wall(tmp_path, best: str) -> subprocess.CompletedProcess:
+    common = "model=tiny hardware=cpu parallel=3d batch.gbs=4 train.warmup_steps=1 train.steps=3 train.profile_steps=0"
+    return subprocess.run(
+        [
+            sys.executable,
+            "kernel_wall.py",
+            "--common",
+            common,
+            "--plain",
+            "batch.mbs=2",
+            "--best",
+            best,
+            "--rounds",
+            "1",
+            "--outputs",
+            str(tmp_path / "runs"),
+            "--out",
+            str(tmp_path / "wall.json"),
+        ],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_kernel_wall_runs_the_plain_loop_beside_the_best_config(tmp_path):
+    """Both loops train, each reports its MFU from its own measured steps, and the summary compares them."""
+    proc = _kernel_wall(tmp_path, "batch.mbs=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "wall.json").read_text())
+    (plain,), (best,) = result["runs"]["plain"], result["runs"]["best"]
+    assert plain["status"] == best["status"] == "ok"
+    assert 0 < plain["mfu"] < 1 and 0 < best["mfu"] < 1 and len(plain["steps"]) == 3
+    summary = result["summary"]
+    assert summary["best_over_plain"] == pytest.approx(
+        best["effective_tokens_per_s_per_gpu"] / plain["effective_tokens_per_s_per_gpu"]
+    )
+    assert result["recipe"] == best["recipe"] and result["complete"] is True
+
+
+def test_kernel_wall_refuses_two_loops_of_different_recipes(tmp_path):
+    """A larger GBS is another recipe: the comparison would credit the best config with training something else."""
+    proc = _kernel_wall(tmp_path, "batch.mbs=4 batch.gbs=8")
+    assert proc.returncode == 2
+    assert "different recipes" in proc.stderr and not (tmp_path / "wall.json").exists()

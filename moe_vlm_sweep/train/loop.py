@@ -207,6 +207,18 @@ def _forward_step(plan: RunPlan, data_iterator, model):
     return output, partial(_loss_func, loss_mask)
 
 
+def step_tokens(microbatches: list[MicroBatch], seq_length: int) -> BatchTokens:
+    """What this rank's micro-batches of a step hold: its tokens, real and padded, and its images."""
+    return BatchTokens.total(
+        [
+            BatchTokens.from_lengths(
+                mb.decoder_lengths.tolist(), images=mb.images.shape[0], seq_length=seq_length, packed=mb.packed
+            )
+            for mb in microbatches
+        ]
+    )
+
+
 class Trainer:
     def __init__(self, plan: RunPlan, chunks: list[MegatronModule], source: BatchSource):
         self.plan, self.chunks, self.source = plan, chunks, source
@@ -273,17 +285,7 @@ class Trainer:
         if self.loss_owner:
             for reduced in self._losses:
                 loss += reduced["lm loss"].detach().to("cpu", torch.float64)
-        local = BatchTokens.total(
-            [
-                BatchTokens.from_lengths(
-                    mb.decoder_lengths.tolist(),
-                    images=mb.images.shape[0],
-                    seq_length=self.plan.seq_length,
-                    packed=mb.packed,
-                )
-                for mb in microbatches
-            ]
-        )
+        local = step_tokens(microbatches, self.plan.seq_length)
         # Summed over replicas in float64: exact up to 2**53 (attention pairs grow as gbs * seq_length**2 / 2).
         counts = torch.tensor([getattr(local, name) for name in SUMMED_FIELDS], dtype=torch.float64)
         first_of_replica = (
