@@ -118,7 +118,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del probs
             del logits
             grad_hidden[lo:hi] = torch.matmul(grad_logits, weight)
-            grad_weight.add_(torch.matmul(grad_logits.t(), hidden[lo:hi]).to(lse.dtype))
+            if kernels is not None:  # cuBLAS adds the chunk's product into the fp32 sum: no bf16 partial to cast
+                torch.addmm(grad_weight, grad_logits.t(), hidden[lo:hi], out_dtype=lse.dtype, out=grad_weight)
+            else:
+                grad_weight.add_(torch.matmul(grad_logits.t(), hidden[lo:hi]).to(lse.dtype))
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
