@@ -141,3 +141,36 @@ def test_kernel_wall_refuses_two_loops_of_different_recipes(tmp_path):
     proc = _kernel_wall(tmp_path, "batch.mbs=4 batch.gbs=8")
     assert proc.returncode == 2
     assert "different recipes" in proc.stderr and not (tmp_path / "wall.json").exists()
+
+
+def test_card_summary_keeps_each_card_in_its_own_table(tmp_path):
+    """A confirmation and a kernel-wall result of two cards: two tables, each row its re-run median and recipe."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import card_summary
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    results = tmp_path / "results"
+    (results / "study").mkdir(parents=True)
+    confirm = BENCHMARKS / "results" / "h200_small_fused" / "confirm.json"
+    (results / "study" / "confirm.json").write_text(confirm.read_text())
+    best = ["model=small", "hardware=h100", "batch.gbs=192", "batch.mbs=96", "data.packing=true", "train.steps=8"]
+    wall = {
+        "git_commit": "0123456789abcdef",
+        "overrides": {"best": best, "plain": [*best[:3], "batch.mbs=32"]},
+        "recipe": "r" * 8,
+        "summary": {
+            "plain": {"ok": 3, "mfu": 0.15},
+            "best": {"ok": 3, "mfu": 0.31, "rerun_cv": 0.01},
+            "best_over_plain": 2.0,
+        },
+    }
+    (results / "kernel_wall_h100.json").write_text(json.dumps(wall))
+    found = card_summary.rows(results)
+    assert [(r["card"], r["model"]) for r in found] == [("h100", "small"), ("h200", "small")]
+    h100, h200 = found
+    assert (h100["mfu"], h100["plain_mfu"], h100["config"]) == (0.31, 0.15, "batch.mbs=96 data.packing=true")
+    assert h200["mfu"] == json.loads(confirm.read_text())["candidates"][0]["median_values"][0]
+    assert h200["recipe"] == "b59f2707" and h200["reruns"] == 2
+    text = card_summary.table(found)
+    assert text.index("h100:") < text.index("h200:") and text.count("| 2.00x |") == 1
