@@ -12,8 +12,9 @@ config's ``train.steps`` as the ceiling. Each mode has its own outputs directory
 (``launch/compile_cache.py``) start empty in both; they alternate per config so machine drift hits both.
 
 Per trial, by phase (from the worker's ``metrics.json`` and the launcher's wall): imports, init (process groups,
-the CPU's peak), build, wrap (DDP/FSDP and the optimizer), the first warm-up step, the other warm-up (the rest
-of the warm-up phase, graph capture included), the timed steps (the sum of the measured steps' times), census
+the CPU's peak), build, wrap (DDP/FSDP and the optimizer), the first step's fetch (its wait for its micro-batches:
+the loader workers' start and first build), the first warm-up step, the other warm-up (the rest of the warm-up
+phase, graph capture included), the timed steps (the sum of the measured steps' times), census
 and profile steps, and ``rest`` (the launcher's wall minus all of those: start or fork, teardown, the measured
 phase's data fetch and reductions, writing the result). ``timed %`` is the timed steps' share of the trial's
 wall, the part of a GPU-hour that measures; ``steps`` how many steps were measured and why measuring stopped. A
@@ -86,7 +87,18 @@ def modes(hardware: str, warm_host_now: bool) -> tuple[Mode, Mode]:
     )
 
 
-PHASES = ("imports", "init", "build", "wrap", "first_step", "other_warmup", "timed_steps", "census_profile", "rest")
+PHASES = (
+    "imports",
+    "init",
+    "build",
+    "wrap",
+    "first_fetch",
+    "first_step",
+    "other_warmup",
+    "timed_steps",
+    "census_profile",
+    "rest",
+)
 PRESETS = {
     "cpu": (
         "model=tiny hardware=cpu train.warmup_steps=1 train.steps=6 train.profile_steps=0",
@@ -120,13 +132,15 @@ def phases(metrics: Metrics, wall: float) -> dict[str, float]:
     """The trial's wall split by phase (seconds); ``rest`` is what no phase of the worker accounts for."""
     w, steps = metrics.wall_s, metrics.step_time_s.steps
     first = (metrics.warmup_step_time_s or [0.0])[0]
+    fetch = (metrics.warmup_data_wait_s or [0.0])[0]
     split = {
         "imports": w.get("startup.imports", 0.0),
         "init": w.get("startup.init", 0.0),
         "build": w.get("startup.build", 0.0),
         "wrap": w.get("startup.wrap", 0.0),
+        "first_fetch": fetch,
         "first_step": first,
-        "other_warmup": w.get("warmup", 0.0) + w.get("capture", 0.0) - first,
+        "other_warmup": w.get("warmup", 0.0) + w.get("capture", 0.0) - first - fetch,
         "timed_steps": sum(steps),
         "census_profile": w.get("census", 0.0) + w.get("profile", 0.0),
     }

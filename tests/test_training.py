@@ -38,7 +38,9 @@ def test_tiny_run_writes_every_metric(run_cli):
     # train.warmup_steps=2: one plain warm-up step, then the census step
     assert metrics["loss"]["phases"] == ["warmup", "census", *["measured"] * 4, "profile"]
     warmup = metrics["warmup_step_time_s"]
-    assert len(warmup) == 1 and all(v > 0 for v in warmup) and wall["warmup"] >= sum(warmup)
+    assert len(warmup) == 1 and all(v > 0 for v in warmup)
+    waits = metrics["warmup_data_wait_s"]
+    assert len(waits) == 1 and waits[0] > 0 and wall["warmup"] >= sum(warmup) + sum(waits)
     assert metrics["graphed_layers"] == 0
     assert metrics["cuda_alloc_conf"].endswith("expandable_segments:False")  # the launcher's, from the config
     assert metrics["gc_in_measured_steps"] == {"count": 0, "seconds": 0.0}  # train.manual_gc, the default

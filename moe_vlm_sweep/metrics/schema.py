@@ -207,6 +207,10 @@ class Metrics:
     timer started: reading and decoding (``data=webdataset``: JPEG/PNG decode and resize on the training process,
     no loader workers or prefetch) and the copy to the device. Left out of ``step_time_s``; near or above a step's
     time, the data path, not the model, would bound a real run."""
+    warmup_data_wait_s: list[float] = field(default_factory=list)
+    """The same wait per warm-up step (slowest rank). The first step's includes the start of the loader's worker
+    processes and their build of the first step (``data.loader_workers``): part of a trial's cost before its
+    measurement, which ``warmup_step_time_s`` leaves out."""
     census_failure: str | None = None
     """Why the census step failed (``ExceptionType: message``), or None: a census that could not count (a library
     that rejects saved-tensor hooks) leaves the run its measurements, and says so here."""

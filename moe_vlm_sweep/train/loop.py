@@ -76,6 +76,8 @@ class TrainResult:
     """Seconds of each warm-up step, timed like a measured one (synced, without fetching data)."""
     data_wait_s: list[float] = field(default_factory=list)
     """Per measured step, the seconds its micro-batches took to fetch (decode included) before its timer started."""
+    warmup_data_wait_s: list[float] = field(default_factory=list)
+    """The same per warm-up step: the first includes the loader workers' start and their first step's build."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections that ran inside the measured steps: ``count`` and ``seconds``."""
     saved_activation_bytes: dict[str, int] | None = None
@@ -362,8 +364,9 @@ class Trainer:
                     with measure.wall(result.wall_s, phase):
                         fetching = time.perf_counter()
                         microbatches = self._fetch(step)
-                        if phase == "measured":
-                            result.data_wait_s.append(time.perf_counter() - fetching)
+                        waits = {"measured": result.data_wait_s, "warmup": result.warmup_data_wait_s}
+                        if phase in waits:
+                            waits[phase].append(time.perf_counter() - fetching)
                         timer = measure.StepTimer(self.plan.device, pauses, count_gc=phase == "measured")
                         traced = measure.first_step_trace(first_step_trace_dir if step == 0 else None, self.plan.device)
                         with traced, profiling.step(phase), timer:

@@ -349,6 +349,7 @@ def build_metrics(
         saved_activations=_saved_activations(plan, result.saved_activation_bytes),
         census_failure=result.census_failure,
         data_wait_s=result.data_wait_s,
+        warmup_data_wait_s=result.warmup_data_wait_s,
         accounting_notes=[*ACCOUNTING_NOTES, *filter(None, [text_ids_note(cfg.data)])],
     )
 
@@ -459,6 +460,7 @@ def run(run_dir: Path) -> None:
     result.step_times = _slowest_rank(result.step_times, plan)
     result.warmup_step_times = _slowest_rank(result.warmup_step_times, plan)
     result.data_wait_s = _slowest_rank(result.data_wait_s, plan)
+    result.warmup_data_wait_s = _slowest_rank(result.warmup_data_wait_s, plan)
     if dist.get_rank() == 0:
         if result.saved_tensor_sources:
             (run_dir / "saved_tensors.txt").write_text(result.saved_tensor_sources)
