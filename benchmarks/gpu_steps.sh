@@ -202,7 +202,8 @@ for step in "$@"; do
       done | tee "$OUT/imports.txt" ;;
     pack)
       tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs /tmp/graphs /tmp/baseline /tmp/mbs64 \
-        /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing /tmp/h100packing 2>/dev/null ;;
+        /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing /tmp/h100packing /tmp/trialcost /tmp/probes /tmp/firststep \
+        /tmp/kernelwall 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

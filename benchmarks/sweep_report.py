@@ -10,7 +10,7 @@ says what MLflow says. With ``--baseline FILE:NAME`` (a ``compare_configs.py`` J
 its ``first_trials``), it adds the confirmed winner's re-run median against that baseline.
 
     python benchmarks/sweep_report.py --outputs /tmp/out/outputs --out-dir benchmarks/results/h200_single_small \\
-        --baseline benchmarks/results/h200_confirm.json:baseline_fsdp_mbs8 --confirm .../best/confirm.json
+        --baseline benchmarks/results/h200_baseline_gbs32.json:baseline_fsdp_mbs8 --confirm .../best/confirm.json
 """
 
 from __future__ import annotations

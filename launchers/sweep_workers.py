@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import shutil
 import signal
@@ -64,7 +65,8 @@ class SweepWorker(submitit.helpers.Checkpointable):
     def __call__(self, argv: list[str]) -> int:
         cli = shutil.which("moe-vlm-sweep")
         command = [cli] if cli else [sys.executable, "-m", "moe_vlm_sweep.cli"]
-        self.process = subprocess.Popen([*command, "run", "-m", *argv])
+        # unbuffered: a sweep Slurm kills (requeue, preemption) leaves its last lines in the task's log
+        self.process = subprocess.Popen([*command, "run", "-m", *argv], env={**os.environ, "PYTHONUNBUFFERED": "1"})
         code = self.process.wait()
         if code != 0:
             # Slurm may be ending the job (scancel, requeue, preemption, time limit: SIGTERM to every process,

@@ -36,14 +36,14 @@ def test_sweep_overrides_cannot_be_exported(tmp_path):
         experiment_yaml(["batch.mbs=1,2"], tmp_path)
 
 
-def _study(realisms, directions=("maximize",)):
+def _study(realisms, directions=("maximize",), values=None):
     study = optuna.create_study(directions=list(directions))
     for i, realism in enumerate(realisms):
         trial = study.ask()
         trial.suggest_int("batch.mbs", 1, 8)
         trial.set_user_attr("overrides", [f"batch.mbs={trial.params['batch.mbs']}"])
         trial.set_user_attr("data_realism", realism)
-        study.tell(trial, [float(i)] * len(directions))
+        study.tell(trial, values[i] if values else [float(i)] * len(directions))
     return study
 
 
@@ -62,8 +62,10 @@ def test_export_writes_top_k_best_first(tmp_path):
 
 
 def test_two_objectives_rank_the_pareto_front():
-    study = _study(["synthetic_images"] * 3, directions=("maximize", "minimize"))
-    assert {t.number for t in ranked(study)} == {t.number for t in study.best_trials}
+    """Trial #0 is dominated by #2 (no faster, no smaller): the front is #2 and #1, by the first objective."""
+    values = [(0.0, 2.0), (1.0, 1.0), (2.0, 2.0)]
+    study = _study(["synthetic_images"] * 3, directions=("maximize", "minimize"), values=values)
+    assert [t.number for t in ranked(study)] == [2, 1]
 
 
 def test_an_export_removes_the_runner_ups_it_no_longer_ranks(tmp_path):

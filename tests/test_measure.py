@@ -4,6 +4,7 @@ undoes what it set however the block ends."""
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -54,10 +55,10 @@ def test_wall_adds_up_per_part():
     wall_s: dict[str, float] = {}
     for _ in range(2):
         with measure.wall(wall_s, "measured"):
-            sum(range(10_000))
+            time.sleep(0.05)
     with measure.wall(wall_s, "profile"):
         pass
-    assert set(wall_s) == {"measured", "profile"} and wall_s["measured"] > wall_s["profile"] >= 0
+    assert set(wall_s) == {"measured", "profile"} and wall_s["measured"] >= 0.1 > 0.05 > wall_s["profile"]
 
 
 def test_profiling_splits_the_profile_steps_by_component_and_leaves_no_hook(tmp_path):

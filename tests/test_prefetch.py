@@ -89,8 +89,10 @@ def test_a_worker_error_reaches_the_trainer_and_stops_every_worker():
             _FailsAtStep(source, 1), cfg.data, cfg.model, device="cuda", micro_batch_size=2, num_microbatches=2
         ) as ahead,
     ):
+        assert isinstance(ahead, Prefetched)
         ahead.step(0, 2)
         workers = psutil.Process().children()
+        assert len(workers) == 2  # the DataLoader's two workers
         ahead.step(1, 2)
     # at once: not after the 5 s in which a worker notices its parent is gone
     _, alive = psutil.wait_procs(workers, timeout=2)

@@ -52,8 +52,14 @@ def test_a_quoted_output_matches_its_file(name, commit, date, command, after):
 
 @pytest.mark.parametrize("study", ["h200_single_small", "h200_proxy", "h200_small_s1664", "h200_small_fused"])
 def test_confirmation_medians_match_their_file(study):
+    """The study's confirmation table, up to the next blank line after it: its winner in the heading, one row per
+    candidate with the file's median."""
     record = json.loads((RESULTS / study / "confirm.json").read_text())
-    section = README[README.index(f"`{study}/confirm.json`") :]
+    heading = README.index(f"Confirmation (`{study}/confirm.json`")
+    assert README[heading : README.index("\n", heading)].endswith(f"winner trial #{record['winner']}):")
+    table = README[heading:].split("\n\n")[1]
+    rows = [line for line in table.splitlines() if line.startswith("#")]
+    assert len(rows) == len(record["candidates"]), table
     for candidate in record["candidates"]:
         median = f"{100 * candidate['median_values'][0]:.2f}" if candidate.get("median_values") else "-"
-        assert re.search(rf"^#{candidate['trial']} \| [^|]+ \| [^|]+ \| {re.escape(median)} \|", section, re.M)
+        assert re.search(rf"^#{candidate['trial']} \| [^|]+ \| [^|]+ \| {re.escape(median)} \|", table, re.M)

@@ -189,9 +189,7 @@ def test_a_sweeps_trials_run_as_slurm_jobs_and_a_killed_sweep_resumes(cluster, t
     assert len({tuple(sorted(t.params.items())) for t in counted}) == 2, "no config measured twice"
     interrupted = [t for t in trials if f"interrupted.{t.number}" in study.user_attrs]
     assert len(interrupted) == 1
-    assert [t.params for t in trials if t.user_attrs.get("retry_of") == interrupted[0].number] == [
-        interrupted[0].params
-    ]
+    _assert_rerun_once(trials, interrupted[0].number)
     cluster.wait_idle(timeout=300)  # the job the killed sweep waited for ran on to its end, unread
     jobs = {k: v for d in submitit_dirs() for k, v in _jobs(cluster, d).items()}
     assert list(jobs.values()) == ["COMPLETED"] * 3, jobs  # each counted trial's, and the one left running
@@ -261,18 +259,18 @@ def test_sweep_workers_run_as_a_slurm_array_on_one_postgresql_study_and_a_requeu
         f"interrupted.{interrupted}" in attrs  # marked on resume
         or trials[interrupted].user_attrs.get("failure_class") == "interrupted"
     )  # marked by the clean stop
-    # the interrupted trial is re-run once (sweep.resume.stale=retry); every other config runs once
+    # the interrupted trial is re-run once (sweep.resume.stale=retry, the default); every other config runs once
+    _assert_rerun_once(trials, interrupted)
     launched = [t for t in trials if t.user_attrs.get("claim") == "launch" and t.number != interrupted]
     assert len(ledger.counted(trials)) == 4, [(t.number, t.state, t.user_attrs.get("failure_class")) for t in trials]
     assert len({tuple(sorted(t.params.items())) for t in launched}) == len(launched), "no config twice"
-    # Both array tasks worked on the study: each task's log (kept across its requeue) shows a trial it took up,
-    # waiting for the host's CPU lock (one trial measures at a time), launched (Hydra's line) or training.
+    # Both array tasks worked on the study: the requeued one ran the interrupted trial (its sweep's environment
+    # said so), and the other one's log shows a trial it took up, waiting for the host's CPU lock (one trial
+    # measures at a time), launched (Hydra's line) or training.
     task_logs = {p.name.rsplit("_", 2)[0]: p.read_text() for p in (tmp_path / "submitit").glob("*_log.out")}
-    taken = {
-        task: set(re.findall(r"\[trial #(\d+)\] waiting|\[HYDRA\] \t#(\d+) : |trial #(\d+) \[step", text))
-        for task, text in task_logs.items()
-    }
-    assert len(taken) == 2 and all(taken.values()), {task: text[-1500:] for task, text in task_logs.items()}
+    (other,) = set(task_logs) - {requeued}
+    taken = re.findall(r"\[trial #(\d+)\] waiting|\[HYDRA\] \t#(\d+) : |trial #(\d+) \[step", task_logs[other])
+    assert len(task_logs) == 2 and taken, {task: text[-1500:] for task, text in task_logs.items()}
 
 
 @pytest.mark.slow
@@ -333,6 +331,8 @@ def test_a_sweep_worker_preempted_by_a_higher_priority_job_resumes_the_study(clu
     assert (
         f"interrupted.{interrupted}" in attrs or trials[interrupted].user_attrs.get("failure_class") == "interrupted"
     ), (attrs, trials[interrupted].user_attrs)
+    _assert_rerun_once(trials, interrupted)
+    _assert_rerun_once(trials, interrupted)
     counted = ledger.counted(trials)
     assert len(counted) == 2 and all(t.user_attrs["failure_class"] == "ok" for t in counted), [
         (t.number, t.state, t.user_attrs.get("failure_class")) for t in trials
@@ -342,6 +342,14 @@ def test_a_sweep_worker_preempted_by_a_higher_priority_job_resumes_the_study(clu
     children = children_by_trial(mlflow_runs(tmp_path))
     assert children[interrupted].data.tags["moe_vlm_sweep.failure_class"] == "interrupted"
     assert all(children[t.number].info.status == "FINISHED" for t in counted)
+
+
+def _assert_rerun_once(trials: list, interrupted: int) -> None:
+    """One trial re-ran the interrupted one's config to the end (``retry_of``), and no other did."""
+    retries = [t for t in trials if int(t.user_attrs.get("retry_of", -1)) == interrupted]
+    assert [(t.state, t.params) for t in retries] == [(TrialState.COMPLETE, trials[interrupted].params)], [
+        (t.number, t.state, t.user_attrs) for t in trials
+    ]
 
 
 def _sweep_workers(storage: str, *args: str) -> list[str]:

@@ -110,9 +110,12 @@ def _assert_reported(tmp_path: Path, study: optuna.Study, runs: list, child, out
         pixels = matplotlib.image.imread(report / png)
         assert pixels.std() > 0.05, f"{png} is blank"
     from moe_vlm_sweep.export import recipes
+    from moe_vlm_sweep.sweep.trial import is_contended
 
     ranked = [t for t in recipes.keep(study.get_trials(states=[TrialState.COMPLETE]), recipes.chosen(study))]
-    best_of_recipe = max(ranked, key=lambda t: t.values[0])  # the report ranks the baseline's recipe
+    # the report ranks the baseline's recipe; a trial measured beside another process never outranks one measured
+    # alone (on a loaded CI machine either may happen)
+    best_of_recipe = max(ranked, key=lambda t: (not is_contended(t), t.values[0]))
     assert page.count("data:image/png;base64,") == 4 and f"#{best_of_recipe.number}" in page
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     parent = next(r for r in runs if r.data.tags.get("moe_vlm_sweep.role") == "parent")

@@ -59,22 +59,25 @@ def test_a_remote_worker_is_stale_by_its_heartbeat(study):
 
 
 def test_claim_under_a_real_race(study):
-    """Many pairs asked at once with the same params: never both launch."""
-    for _ in range(10):
-        pair = [
-            study.ask(fixed_distributions={"x": optuna.distributions.CategoricalDistribution([1])}) for _ in range(2)
-        ]
-        results = []
+    """Many pairs asked at once, each pair with params no earlier trial holds: exactly one of each launches."""
+    for i in range(10):
+        for _ in range(2):
+            study.enqueue_trial({"x": i}, skip_if_exists=False)
+        pair = [study.ask(fixed_distributions={"x": optuna.distributions.IntDistribution(0, 9)}) for _ in range(2)]
+        assert [t.params for t in pair] == [{"x": i}] * 2
+        results: list[int | None] = []
         threads = [
-            threading.Thread(target=lambda t=t, results=results: results.append(ledger.claim(study, t, {"x": 1})))
+            threading.Thread(target=lambda t=t, i=i, results=results: results.append(ledger.claim(study, t, {"x": i})))
             for t in pair
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        launched = [t for t in study.get_trials() if t.user_attrs.get("claim") == "launch"]
-        assert len(launched) == 1, [t.user_attrs for t in study.get_trials()]
+        numbers = {t.number for t in pair}
+        claims = [t.user_attrs.get("claim") for t in study.get_trials() if t.number in numbers]
+        assert sorted(claims) == ["duplicate", "launch"], [t.user_attrs for t in study.get_trials()]
+        assert results.count(None) == 1 and set(results) - {None} <= numbers
         for t in pair:
             study.tell(t, 1.0)
 

@@ -269,6 +269,7 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
         overrides = [f"sweep={name}", *fixed, *Space.overrides(sampled)]
         plan_trial(compose_config(overrides), overrides)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    groups = "|".join(compose_config([f"sweep={name}"]))  # a refusal names a knob: model.*, parallel.*, ...
     valid = 0
     for _ in range(12):
         overrides = [f"sweep={name}", *fixed, *Space.overrides(space.suggest(study.ask()))]
@@ -276,7 +277,9 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
             plan_trial(compose_config(overrides), overrides)
             valid += 1
         except ConfigError as exc:
-            assert exc.problems and all(p.strip() for p in exc.problems)
+            unnamed = [p for p in exc.problems if not re.search(rf"\b({groups})(\.[\w.*]+)?( contains |=)", p)]
+            assert exc.problems and not unnamed, unnamed
+    assert valid >= 1, f"no sampled config of {name} plans"
     if name == "cpu_demo":
         assert valid == 12, "every cpu_demo config must run on the CPU"
     if name == "h200_proxy":  # it extends h200_single: its knobs, the proxy model and its own micro-batches

@@ -281,15 +281,15 @@ class VisionTrainingConf:
 class FusionsConf:
     """megatron-core's kernel fusions; None means on for GPU hardware, off on the CPU (they need CUDA).
 
-    Five exceptions, where None means off. ``bias_dropout`` and ``cross_entropy``: megatron-core builds them with
+    Six exceptions, where None means off. ``bias_dropout`` and ``cross_entropy``: megatron-core builds them with
     ``torch.compile`` (``megatron.core.jit.jit_fuser``), which compiles in every new process, so in every trial:
     on an H100 (3D, MBS 32) the first warm-up step took 44 s with ``fusions=on`` and empty compile caches, 19 s
     with the previous run's caches, 2.2 s with ``fusions=off``, at step times within the runs' noise; and the fused
     loss holds an fp32 copy of the logits (``plan/memory.py``). The other fusions are Transformer Engine kernels,
-    built with TE, that cost nothing to start, with one exception under watch: ``moe_permute`` runs TE's
-    permutation as Triton kernels (``transformer_engine/pytorch/triton/permutation.py``), compiled and autotuned in
-    each new process; on the H100 the default's first warm-up step took ~5.5 s more than ``fusions=off``'s even
-    with warm caches. ``benchmarks/trial_cost.py``'s GPU run measures each fusion this default turns on alone
+    built with TE, that cost nothing to start, with one to watch: ``moe_permute`` runs TE's permutation as Triton
+    kernels (``transformer_engine/pytorch/triton/permutation.py``), compiled and autotuned in each new process; on
+    the H100 with the compile caches of earlier trials its first warm-up step was within 0.2 s of the same trial's
+    without it (``benchmarks/results/h100_trial_cost/moe_permute.json``), so it stays on. ``benchmarks/trial_cost.py``'s GPU run measures each fusion this default turns on alone
     (first-step cost against step time, its summary's ``fusions``); one that does not pay for itself within a
     trial joins the list below. ``gradient_accumulation``: one megatron flag for the whole model; TE's layers
     would fuse it with their own GEMM, but the output layer is megatron's ColumnParallelLinear, which needs APEX's
@@ -298,7 +298,7 @@ class FusionsConf:
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
     three more tensors of the expert width per routed token) is measured on the H200 only as a memory saver
     (with the unfused loss it lets MBS 96 fit: ``benchmarks/results/h200_small_fused/``), not alone for speed, so
-    it is not a default; ``benchmarks/h200_call.sh``'s ``fusions`` step measures it. ``moe_router`` (megatron's
+    it is not a default; ``benchmarks/gpu_steps.sh``'s ``fusions`` step measures it. ``moe_router`` (megatron's
     ``moe_router_fusion``: TE's fused top-k with its score function and the aux-loss statistics, where unfused
     megatron runs a dozen small kernels per MoE layer) is not yet measured on the H200 either.
     ``linear_cross_entropy`` is the project's own fusion (``model/linear_cross_entropy.py``): the output layer and

@@ -180,12 +180,12 @@ class Metrics:
     wall_s: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds of the worker's parts on rank 0: ``startup.imports`` (interpreter and imports),
     ``startup.init`` (process groups), ``startup.build``, ``startup.wrap`` (DDP or FSDP, optimizer), then
-    ``warmup``, ``capture``, ``measured``, ``profile``.
+    ``warmup``, ``capture``, ``census``, ``measured``, ``profile``.
     The measured steps are often a small part of a sweep trial's cost; this says where the rest goes."""
     warmup_step_time_s: list[float] = field(default_factory=list)
-    """Each warm-up step, timed like a measured step: the one-off costs of the first steps (kernel autotuning,
-    JIT fusions, allocator growth) apart from the steady ones: in a sweep trial the warm-up can cost more than
-    all the measured steps together."""
+    """Each plain warm-up step (the census step, the last warm-up step by default, is not one), timed like a
+    measured step: the one-off costs of the first steps (kernel autotuning, JIT fusions, allocator growth) apart
+    from the steady ones: in a sweep trial the warm-up can cost more than all the measured steps together."""
     gc_in_measured_steps: dict[str, float] = field(default_factory=dict)
     """Python garbage collections inside the measured steps (``count``, ``seconds``): 0 with ``train.manual_gc``
     (the default); with it off, the pauses that can make single host-bound steps slow."""
@@ -204,8 +204,8 @@ class Metrics:
     """None without a census step (``train.activation_census=false``, or CUDA graphs), or when it failed."""
     data_wait_s: list[float] = field(default_factory=list)
     """Per measured step (slowest rank), the seconds the trainer waited for its micro-batches before the step's
-    timer started: reading and decoding (``data=webdataset``: JPEG/PNG decode and resize on the training process,
-    no loader workers or prefetch) and the copy to the device. Left out of ``step_time_s``; near or above a step's
+    timer started: what the loader's worker had not built yet (drawing, decoding and resizing images, packing; on
+    the training process itself without ``data.loader_workers``) and the copy to the device. Left out of ``step_time_s``; near or above a step's
     time, the data path, not the model, would bound a real run."""
     warmup_data_wait_s: list[float] = field(default_factory=list)
     """The same wait per warm-up step (slowest rank). The first step's includes the start of the loader's worker

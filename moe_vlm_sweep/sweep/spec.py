@@ -1,4 +1,4 @@
-"""The typed ``sweep`` node: what a ``sweeps/<space>.yaml`` file may say.
+"""The typed ``sweep`` node: what a space file (``conf/sweep/<space>.yaml``) may say.
 
 The space file composes under the ``sweep`` key (``sweep=cpu_demo``), so every field here is overridable on the
 command line (``sweep.n_trials=20 sweep.seed=3``). The node is checked once, when the sweep starts, with

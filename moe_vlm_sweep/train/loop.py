@@ -3,7 +3,7 @@
 Per step: zero the grad buffers and the optimizer, run ``get_forward_backward_func()`` over ``num_microbatches``
 (PP=1, PP>1 and interleaved VPP alike), ``optimizer.step()``. The step's micro-batches are made and copied to the
 device before its clock starts, as a prefetching data loader would have them ready. Measured steps carry no hooks
-and no extra syncs beyond one at the end of the step; the per-component split comes from separate profiling steps
+and no syncs beyond one at each end of the step; the per-component split comes from separate profiling steps
 afterwards. What is measured, and how, is ``train/measure.py``: context managers around the steps, nothing
 patched. TE CUDA graphs are captured after ``cuda_graph.warmup_steps`` eager steps, as Megatron-LM does; the
 ``local`` implementation captures itself inside megatron's schedules.

@@ -503,6 +503,7 @@ PRELOAD = (
     "moe_vlm_sweep.model.flops",
     "moe_vlm_sweep.data",
     "moe_vlm_sweep.plan.rules",
+    "moe_vlm_sweep.train.machine_rules",
 )
 """What a warm trial host imports once for all its trials: everything :func:`run` imports, lazily or not."""
 
