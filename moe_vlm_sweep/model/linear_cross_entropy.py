@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 
+_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
+"""Whether cuBLAS can add a bf16 product into an fp32 sum in one call (``addmm(..., out_dtype=)``, torch >= 2.8;
+CUDA only)."""
+
+
 def _gpu_kernels(hidden: torch.Tensor):
     """The Triton kernels for a CUDA tensor (``linear_cross_entropy_kernels``), else None: plain torch ops."""
     if not hidden.is_cuda:
@@ -118,7 +123,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del probs
             del logits
             grad_hidden[lo:hi] = torch.matmul(grad_logits, weight)
-            if kernels is not None:  # cuBLAS adds the chunk's product into the fp32 sum: no bf16 partial to cast
+            if kernels is not None and _ADDMM_OUT_DTYPE:  # cuBLAS adds the product into the fp32 sum: no partial
                 torch.addmm(grad_weight, grad_logits.t(), hidden[lo:hi], out_dtype=lse.dtype, out=grad_weight)
             else:
                 grad_weight.add_(torch.matmul(grad_logits.t(), hidden[lo:hi]).to(lse.dtype))
