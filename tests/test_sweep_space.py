@@ -269,7 +269,7 @@ def test_shipped_space_parses_and_samples_plannable_configs(name):
         overrides = [f"sweep={name}", *fixed, *Space.overrides(sampled)]
         plan_trial(compose_config(overrides), overrides)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
-    groups = "|".join(compose_config([f"sweep={name}"]))  # a refusal names a knob: model.*, parallel.*, ...
+    groups = "|".join(compose_config([f"sweep={name}"]))  # a rejected config names a knob: model.*, parallel.*, ...
     valid = 0
     for _ in range(12):
         overrides = [f"sweep={name}", *fixed, *Space.overrides(space.suggest(study.ask()))]

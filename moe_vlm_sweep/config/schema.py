@@ -289,9 +289,10 @@ class FusionsConf:
     built with TE, that cost nothing to start, with one to watch: ``moe_permute`` runs TE's permutation as Triton
     kernels (``transformer_engine/pytorch/triton/permutation.py``), compiled and autotuned in each new process; on
     the H100 with the compile caches of earlier trials its first warm-up step was within 0.2 s of the same trial's
-    without it (``benchmarks/results/h100_trial_cost/moe_permute.json``), so it stays on. ``benchmarks/trial_cost.py``'s GPU run measures each fusion this default turns on alone
-    (first-step cost against step time, its summary's ``fusions``); one that does not pay for itself within a
-    trial joins the list below. ``gradient_accumulation``: one megatron flag for the whole model; TE's layers
+    without it (``benchmarks/results/h100_trial_cost/moe_permute.json``), so it stays on.
+    ``benchmarks/trial_cost.py``'s GPU run measures each fusion this default turns on alone (first-step cost
+    against step time, its summary's ``fusions``); one that does not pay for itself within a trial joins the list
+    below. ``gradient_accumulation``: one megatron flag for the whole model; TE's layers
     would fuse it with their own GEMM, but the output layer is megatron's ColumnParallelLinear, which needs APEX's
     ``fused_weight_gradient_mlp_cuda`` extension that TE-only installs lack; set it true where APEX is built (the
     worker's preflight checks and says where megatron raises). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for

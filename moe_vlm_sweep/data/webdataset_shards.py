@@ -10,12 +10,12 @@ sample's text length (hence its padding, and what packing saves) is its real cap
 tokens: no tokenizer is installed with the package, so a caption's text ids are its UTF-8 bytes
 (:func:`caption_byte_ids`, byte b -> 1 + b mod (vocab_size - 1)), one id per byte, several times the ids a BPE
 tokenizer would give; the run's token counts (``real_tokens_per_step``, ``effective_tokens_per_s``) count these
-bytes plus the image tokens, as its ``accounting_notes`` say (:data:`TEXT_IDS`). Decoding and resizing run in the loader's
-worker process where there is one (``data.loader_workers``: one on a GPU, none on the CPU; one at most for shards,
-read in order), building the next steps while one trains, else on the training process when the trainer fetches
-a step's micro-batches; either way before the step's timer starts, so the step times leave them out, and
-``data_wait_s`` in ``metrics.json`` records what is left to wait for, per measured step. Where it stays near the
-step time, one reader cannot keep up with the step.
+bytes plus the image tokens, as its ``accounting_notes`` say (:data:`TEXT_IDS`). Decoding and resizing run in the
+loader's worker process where there is one (``data.loader_workers``: one on a GPU, none on the CPU; one at most
+for shards, read in order), building the next steps while one trains, else on the training process when the
+trainer fetches a step's micro-batches; either way before the step's timer starts, so the step times leave them
+out, and ``data_wait_s`` in ``metrics.json`` records what is left to wait for, per measured step. Where it stays
+near the step time, one reader cannot keep up with the step.
 """
 
 from __future__ import annotations

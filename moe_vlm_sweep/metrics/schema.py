@@ -205,8 +205,8 @@ class Metrics:
     data_wait_s: list[float] = field(default_factory=list)
     """Per measured step (slowest rank), the seconds the trainer waited for its micro-batches before the step's
     timer started: what the loader's worker had not built yet (drawing, decoding and resizing images, packing; on
-    the training process itself without ``data.loader_workers``) and the copy to the device. Left out of ``step_time_s``; near or above a step's
-    time, the data path, not the model, would bound a real run."""
+    the training process itself without ``data.loader_workers``) and the copy to the device. Left out of
+    ``step_time_s``; near or above a step's time, the data path, not the model, would bound a real run."""
     warmup_data_wait_s: list[float] = field(default_factory=list)
     """The same wait per warm-up step (slowest rank). The first step's includes the start of the loader's worker
     processes and their build of the first step (``data.loader_workers``): part of a trial's cost before its
