@@ -60,7 +60,7 @@ sweep:
 
 def test_after_a_repeated_config_the_sweep_walks_one_knob_out_from_the_best(tmp_path):
     """A generic Hydra app, a random sampler that repeats itself in a 6-config space: each repeat is followed by
-    an untried config one knob from the best, while there is one, and no config runs twice."""
+    an untried config one knob from the best so far, while there is one, and no config runs twice."""
     import re
     import subprocess
     import sys
@@ -75,10 +75,16 @@ def test_after_a_repeated_config_the_sweep_walks_one_knob_out_from_the_best(tmp_
     )
     assert len(lines) > 6, out  # the seeded sampler repeats itself
     configs = {int(number): (a, b) for number, a, b, _, _ in lines}
-    walked = [(a, b, int(best)) for _, a, b, best, _ in lines if best]
+    value = {n: int(a) + (0.5 if b == "y" else 0.0) for n, (a, b) in configs.items()}  # the app's, all distinct
+    walked = 0
+    for i, (_, a, b, best, _) in enumerate(lines):
+        if not best:
+            continue
+        walked += 1
+        best_so_far = max((int(n) for n, *_, result in lines[:i] if result == "ok"), key=value.__getitem__)
+        assert int(best) == best_so_far, (lines[: i + 1], best)
+        best_a, best_b = configs[int(best)]
+        assert (a != best_a) + (b != best_b) == 1, (a, b, configs[int(best)])
     assert walked, out
-    for a, b, best in walked:
-        best_a, best_b = configs[best]
-        assert (a != best_a) + (b != best_b) == 1, (a, b, configs[best])
     ran = [(a, b) for _, a, b, _, result in lines if result == "ok"]
     assert len(ran) == len(set(ran)) == 6
