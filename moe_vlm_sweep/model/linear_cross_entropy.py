@@ -36,11 +36,6 @@ if TYPE_CHECKING:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 
-_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
-"""Whether cuBLAS can add a bf16 product into an fp32 sum in one call (``addmm(..., out_dtype=)``, torch >= 2.8;
-CUDA only)."""
-
-
 def _gpu_kernels(hidden: torch.Tensor):
     """The Triton kernels for a CUDA tensor (``linear_cross_entropy_kernels``), else None: plain torch ops."""
     if not hidden.is_cuda:
@@ -123,10 +118,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del probs
             del logits
             grad_hidden[lo:hi] = torch.matmul(grad_logits, weight)
-            if kernels is not None and _ADDMM_OUT_DTYPE:  # cuBLAS adds the product into the fp32 sum: no partial
-                torch.addmm(grad_weight, grad_logits.t(), hidden[lo:hi], out_dtype=lse.dtype, out=grad_weight)
-            else:
-                grad_weight.add_(torch.matmul(grad_logits.t(), hidden[lo:hi]).to(lse.dtype))
+            grad_weight.add_(torch.matmul(grad_logits.t(), hidden[lo:hi]).to(lse.dtype))
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
