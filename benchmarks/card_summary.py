@@ -75,7 +75,7 @@ def from_confirmation(path: Path, results: Path) -> dict | None:
 def from_kernel_wall(path: Path, results: Path) -> dict | None:
     data = json.loads(path.read_text())
     best, plain = data["summary"]["best"], data["summary"]["plain"]
-    if not best["ok"]:
+    if not best["ok"] or not data.get("complete", True):  # a comparison cut off before its rounds ended
         return None
     overrides = data["overrides"]["best"]
     return {

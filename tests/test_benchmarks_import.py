@@ -166,6 +166,8 @@ def test_card_summary_keeps_each_card_in_its_own_table(tmp_path):
         },
     }
     (results / "kernel_wall_h100.json").write_text(json.dumps(wall))
+    (results / "cut_off").mkdir()
+    (results / "cut_off" / "kernel_wall_h100.json").write_text(json.dumps({**wall, "complete": False}))
     found = card_summary.rows(results)
     assert [(r["card"], r["model"]) for r in found] == [("h100", "small"), ("h200", "small")]
     h100, h200 = found
