@@ -2,10 +2,10 @@
 
 A row is a measurement whose figure is a median over re-runs: a study's confirmation (``best --confirm``,
 ``confirm.json``: its winner's re-run median) or a kernel-wall comparison (``kernel_wall.py``: the best config's
-re-runs beside a plain training loop of the same recipe, in one invocation). Each row says its model, where it
-comes from, the config's performance overrides, the re-runs' MFU median and step-time CV, the plain loop's MFU
-and the best over it where measured, and the recipe fingerprint, so rows of different recipes are never read
-as one ranking. Cards are never mixed in a table.
+re-runs beside a plain training loop of the same recipe, in one invocation; one cut off before its last round
+says so). Each row says its model, where it comes from, the config's performance overrides, the re-runs' MFU
+median and step-time CV, the plain loop's MFU and the best over it where measured, and the recipe fingerprint,
+so rows of different recipes are never read as one ranking. Cards are never mixed in a table.
 
     python benchmarks/card_summary.py --results benchmarks/results --out benchmarks/results/card_summary.json
 """
@@ -75,13 +75,14 @@ def from_confirmation(path: Path, results: Path) -> dict | None:
 def from_kernel_wall(path: Path, results: Path) -> dict | None:
     data = json.loads(path.read_text())
     best, plain = data["summary"]["best"], data["summary"]["plain"]
-    if not best["ok"] or not data.get("complete", True):  # a comparison cut off before its rounds ended
+    if not best["ok"]:
         return None
     overrides = data["overrides"]["best"]
+    cut_off = "" if data.get("complete", True) else f", cut off after {best['runs']} rounds"
     return {
         "card": _last(overrides, "hardware"),
         "model": _last(overrides, "model"),
-        "source": f"{path.relative_to(results)} (kernel wall, commit {data['git_commit'][:7]})",
+        "source": f"{path.relative_to(results)} (kernel wall, commit {data['git_commit'][:7]}{cut_off})",
         "config": _config(overrides),
         "reruns": best["ok"],
         "mfu": best["mfu"],

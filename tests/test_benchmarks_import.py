@@ -167,12 +167,18 @@ def test_card_summary_keeps_each_card_in_its_own_table(tmp_path):
     }
     (results / "kernel_wall_h100.json").write_text(json.dumps(wall))
     (results / "cut_off").mkdir()
-    (results / "cut_off" / "kernel_wall_h100.json").write_text(json.dumps({**wall, "complete": False}))
+    cut_off = {
+        **wall,
+        "complete": False,
+        "summary": {**wall["summary"], "best": {"runs": 2, "ok": 2, "mfu": 0.3, "rerun_cv": 0.01}},
+    }
+    (results / "cut_off" / "kernel_wall_h100.json").write_text(json.dumps(cut_off))
     found = card_summary.rows(results)
-    assert [(r["card"], r["model"]) for r in found] == [("h100", "small"), ("h200", "small")]
-    h100, h200 = found
+    assert [(r["card"], r["model"]) for r in found] == [("h100", "small"), ("h100", "small"), ("h200", "small")]
+    h100, h100_cut_off, h200 = found
+    assert "cut off after 2 rounds" in h100_cut_off["source"] and "cut off" not in h100["source"]
     assert (h100["mfu"], h100["plain_mfu"], h100["config"]) == (0.31, 0.15, "batch.mbs=96 data.packing=true")
     assert h200["mfu"] == json.loads(confirm.read_text())["candidates"][0]["median_values"][0]
     assert h200["recipe"] == "b59f2707" and h200["reruns"] == 2
     text = card_summary.table(found)
-    assert text.index("h100:") < text.index("h200:") and text.count("| 2.00x |") == 1
+    assert text.index("h100:") < text.index("h200:") and text.count("| 2.00x |") == 2
