@@ -25,6 +25,8 @@ from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.config.recipe import Knob, fingerprint, kind
 
 COLUMNS = ("model", "source", "config", "re-runs", "mfu_%", "rerun_cv_%", "plain_mfu_%", "best/plain", "recipe")
+TRAIN_SPEED_KNOBS = ("train.expandable_segments", "train.manual_gc", "train.transformer_impl")
+"""The ``train.*`` fields that change a step's speed; the others say how a run is measured."""
 
 
 def _last(overrides: list[str], key: str) -> str | None:
@@ -40,7 +42,7 @@ def _config(overrides: list[str]) -> str:
     chosen: dict[str, str] = {}
     for o in overrides:
         key, _, value = o.partition("=")
-        if key in {"model", "hardware", "launcher"} or key.startswith("train."):
+        if key in {"model", "hardware", "launcher"} or (key.startswith("train.") and key not in TRAIN_SPEED_KNOBS):
             continue
         if "." in key and kind(key) is Knob.RECIPE:
             continue

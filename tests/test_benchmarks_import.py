@@ -155,6 +155,7 @@ def test_card_summary_keeps_each_card_in_its_own_table(tmp_path):
     confirm = BENCHMARKS / "results" / "h200_small_fused" / "confirm.json"
     (results / "study" / "confirm.json").write_text(confirm.read_text())
     best = ["model=small", "hardware=h100", "batch.gbs=192", "batch.mbs=96", "data.packing=true", "train.steps=8"]
+    best.append("train.expandable_segments=true")
     wall = {
         "git_commit": "0123456789abcdef",
         "overrides": {"best": best, "plain": [*best[:3], "batch.mbs=32"]},
@@ -177,7 +178,11 @@ def test_card_summary_keeps_each_card_in_its_own_table(tmp_path):
     assert [(r["card"], r["model"]) for r in found] == [("h100", "small"), ("h100", "small"), ("h200", "small")]
     h100, h100_cut_off, h200 = found
     assert "cut off after 2 rounds" in h100_cut_off["source"] and "cut off" not in h100["source"]
-    assert (h100["mfu"], h100["plain_mfu"], h100["config"]) == (0.31, 0.15, "batch.mbs=96 data.packing=true")
+    assert (h100["mfu"], h100["plain_mfu"], h100["config"]) == (
+        0.31,
+        0.15,
+        "batch.mbs=96 data.packing=true train.expandable_segments=true",
+    )
     assert h200["mfu"] == json.loads(confirm.read_text())["candidates"][0]["median_values"][0]
     assert h200["recipe"] == "b59f2707" and h200["reruns"] == 2
     text = card_summary.table(found)
