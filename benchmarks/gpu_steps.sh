@@ -49,7 +49,8 @@
 #             it now, twice (the first fills the compile caches), each first step traced (train.trace_first_step);
 #             each run's first_step_host_ops.txt and first_step_kernels.txt land in $OUT
 #   kernelwall  this card's best config (kernel_wall.py's preset) against the plain training loop of the same
-#             recipe, alternating, three runs each (about 40 s a run)
+#             recipe, alternating, three runs each (about 40 s a run; the best config's first run about 90 s,
+#             its compile caches empty): give it TIME_S of at least 420
 #   pack      outputs/ (with its exported experiments) and the step folders as $OUT/outputs.tgz
 set -u
 [[ -z ${INSTALL:-} ]] || eval "$INSTALL" >/dev/null || exit 1
