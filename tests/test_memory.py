@@ -42,11 +42,13 @@ def _as_ran(overrides: list[str], date: str) -> list[str]:
 
 
 def _gpu_runs() -> list[tuple[str, dict]]:
-    """Every successful GPU run in the results' JSON (``compare_configs.py``'s and ``memory_table.py``'s)."""
+    """Every successful GPU run in the results' JSON (``compare_configs.py``'s and ``memory_table.py``'s: a list of
+    runs, each with its overrides; ``kernel_wall.py``'s runs per loop carry no memory and are left out)."""
     rows = []
     for path in sorted(RESULTS.rglob("*.json")):
         document = json.loads(path.read_text())
-        for run in document.get("runs", []) if isinstance(document, dict) else []:
+        runs = document.get("runs", []) if isinstance(document, dict) else []
+        for run in runs if isinstance(runs, list) else []:
             if run.get("status") == "ok" and _on_gpu(run["overrides"]):
                 run = {**run, "overrides": _as_ran(run["overrides"], document.get("date", ""))}
                 rows.append((f"{path.relative_to(RESULTS).with_suffix('')}:{run['config']}", run))
