@@ -22,11 +22,9 @@ from pathlib import Path
 from compare_configs import git_commit, write_result
 
 from moe_vlm_sweep.config.compose import compose_run_config
-from moe_vlm_sweep.config.recipe import Knob, fingerprint, kind
+from moe_vlm_sweep.config.recipe import MEASUREMENT, Knob, fingerprint, kind
 
 COLUMNS = ("model", "source", "config", "re-runs", "mfu_%", "rerun_cv_%", "plain_mfu_%", "best/plain", "recipe")
-TRAIN_SPEED_KNOBS = ("train.expandable_segments", "train.manual_gc", "train.transformer_impl")
-"""The ``train.*`` fields that change a step's speed; the others say how a run is measured."""
 
 
 def _last(overrides: list[str], key: str) -> str | None:
@@ -42,7 +40,7 @@ def _config(overrides: list[str]) -> str:
     chosen: dict[str, str] = {}
     for o in overrides:
         key, _, value = o.partition("=")
-        if key in {"model", "hardware", "launcher"} or (key.startswith("train.") and key not in TRAIN_SPEED_KNOBS):
+        if key in {"model", "hardware", "launcher"} or key in MEASUREMENT:
             continue
         if "." in key and kind(key) is Knob.RECIPE:
             continue

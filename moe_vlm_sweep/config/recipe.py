@@ -38,6 +38,22 @@ class Knob(enum.Enum):
 
 P, R = Knob.PERFORMANCE, Knob.RECIPE
 
+MEASUREMENT = tuple(
+    f"train.{f}"
+    for f in (
+        "warmup_steps",
+        "steps",
+        "target_cv",
+        "min_steps",
+        "profile_steps",
+        "trace",
+        "trace_first_step",
+        "activation_census",
+        "timeout_s",
+    )
+)
+"""The fields that say how long and how a run is measured: neither the optimization nor a step's speed."""
+
 KNOBS: dict[str, Knob] = {
     # model: the architecture and the sequence it sees, every field of it
     "model.name": R,
@@ -135,24 +151,10 @@ KNOBS: dict[str, Knob] = {
     "tracking.backend": P,
     "tracking.tracking_uri": P,
     "tracking.experiment": P,
-    # how long and how a run is measured; not the optimization
-    **{
-        f"train.{f}": P
-        for f in (
-            "warmup_steps",
-            "steps",
-            "target_cv",
-            "min_steps",
-            "profile_steps",
-            "trace",
-            "trace_first_step",
-            "manual_gc",
-            "expandable_segments",
-            "activation_census",
-            "timeout_s",
-            "transformer_impl",
-        )
-    },
+    **dict.fromkeys(MEASUREMENT, P),
+    "train.manual_gc": P,
+    "train.expandable_segments": P,
+    "train.transformer_impl": P,
     "train.seed": R,
     "train.lr": R,
     "train.precision": R,
