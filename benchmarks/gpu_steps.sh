@@ -8,7 +8,7 @@
 # and confirm steps divide among themselves.
 #   STEP: graphs | sweep=N | proxy=N | s1664=N | fused=N | packed=N | confirm=STUDY | h100packing | baseline |
 #         gputests | census | mbs64 | fusions | mbs96 | packing | imports | pack | h100packed=N | trialcost | probes |
-#         firststep | kernelwall
+#         firststep | kernelwall | kernelwall_proxy
 #   Every step but gputests, h100packing, h100packed, trialcost, probes, firststep, kernelwall, imports and pack needs
 #   an H200's memory:
 #   on a smaller card the script stops before them rather than run out of memory or mix machines in one study;
@@ -26,8 +26,9 @@
 #   confirm=STUDY  best --confirm: the top 3 trials re-run twice each, the one whose median holds is exported,
 #             within the time left; re-runs that do not fit are left for the next confirm=STUDY, which reuses the
 #             finished ones
-#   gputests  the GPU-only tests (tests/test_gpu_graphs.py: graph scopes and packed THD rows train like eager,
-#             eager runs a census); gputests=EXPR runs those pytest -k EXPR selects
+#   gputests  the GPU-only tests of graphs and fusions (tests/test_gpu_graphs.py: graph scopes and packed THD rows
+#             train like eager, eager runs a census; tests/test_gpu_wgrad_fusion.py: TE's weight-gradient fusion
+#             without APEX trains like the unfused run); gputests=EXPR runs those pytest -k EXPR selects
 #   census    eager 3D MBS 32 and 64 at 1664 tokens: each run's saved-tensor census (saved_tensors.txt, metrics'
 #             saved_activations) next to the memory estimate's parts
 #   mbs64     eager, attn_moe_router and layer_te at MBS 64 (3D, 1664 decoder tokens): does a larger batch lift MFU
@@ -46,11 +47,15 @@
 #             `now` one), on this card's hardware group
 #   probes    trial_cost.py's fusion probes alone, two rounds (the first fills the compile caches)
 #   firststep what a trial's first step pays that later steps do not: trial_cost.py's MBS 48 config as a sweep runs
-#             it now, twice (the first fills the compile caches), each first step traced (train.trace_first_step);
-#             each run's first_step_host_ops.txt and first_step_kernels.txt land in $OUT
+#             it now, with and without megatron's fused SwiGLU (fusions.bias_activation, torch.compile'd by
+#             megatron.core.jit.jit_fuser), alternating, two rounds (the first fills the compile caches), each first
+#             step traced (train.trace_first_step); each run's first_step_host_ops.txt and first_step_kernels.txt
+#             land in $OUT; about 40 s a trial
 #   kernelwall  this card's best config (kernel_wall.py's preset) against the plain training loop of the same
 #             recipe, alternating, three runs each (about 40 s a run; the best config's first run about 90 s,
 #             its compile caches empty): give it TIME_S of at least 420
+#   kernelwall_proxy  the same for model=qwen3_vl_30b_a3b_proxy (kernel_wall.py --model): the preset's H200
+#             candidate for the proxy's recipe (GBS 8) against the plain loop at the h200_proxy study's MBS 4
 #   pack      outputs/ (with its exported experiments) and the step folders as $OUT/outputs.tgz
 set -u
 [[ -z ${INSTALL:-} ]] || eval "$INSTALL" >/dev/null || exit 1
@@ -92,8 +97,8 @@ for step in "$@"; do
       stop_orphans ;;
     gputests|gputests=*)
       only=(); [[ $step == gputests=* ]] && only=(-k "${step#gputests=}")
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py ${only[@]+"${only[@]}"} 2>&1 \
-        | tail -15 | tee "$OUT/gputests.txt"
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py tests/test_gpu_wgrad_fusion.py \
+        ${only[@]+"${only[@]}"} 2>&1 | tail -15 | tee "$OUT/gputests.txt"
       stop_orphans ;;
     census)  # about 60 s a config
       timeout 200 python3 benchmarks/compare_configs.py --outputs /tmp/census --out "$OUT/h200_census.json" \
@@ -172,7 +177,8 @@ for step in "$@"; do
       t=$(( $(left) - 10 ))
       (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
       (cd benchmarks && timeout $t python3 trial_cost.py --hardware $HW --only-mode now --no-fusion-probes --repeats 2 \
-        --config mbs48=batch.mbs=48 --also train.trace_first_step=true --workdir /tmp/firststep \
+        --config mbs48=batch.mbs=48 --config mbs48_unfused_swiglu="batch.mbs=48 fusions.bias_activation=false" \
+        --also train.trace_first_step=true --workdir /tmp/firststep \
         --out "$OUT/first_step_$HW.json" | tail -6)
       for run in /tmp/firststep/now/runs/*/; do
         for f in host_ops kernels; do cp "$run/first_step_$f.txt" "$OUT/first_step_${f}_$(basename "$run").txt"; done
@@ -183,6 +189,12 @@ for step in "$@"; do
       (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
       (cd benchmarks && timeout $t python3 kernel_wall.py --hardware $HW --rounds 3 --outputs /tmp/kernelwall \
         --out "$OUT/kernel_wall_$HW.json" | tail -12)
+      stop_orphans ;;
+    kernelwall_proxy)
+      t=$(( $(left) - 10 ))
+      (( t > 60 )) || { echo "skip $step: ${t} s left"; continue; }
+      (cd benchmarks && timeout $t python3 kernel_wall.py --model qwen3_vl_30b_a3b_proxy --hardware $HW --rounds 3 \
+        --outputs /tmp/kernelwall_proxy --out "$OUT/kernel_wall_${HW}_proxy.json" | tail -12)
       stop_orphans ;;
     baseline)
       timeout 170 python3 benchmarks/compare_configs.py --outputs /tmp/baseline --out "$OUT/h200_baseline.json" \
@@ -204,7 +216,7 @@ for step in "$@"; do
     pack)
       tar czf "$OUT/outputs.tgz" --exclude=trace.json outputs /tmp/graphs /tmp/baseline /tmp/mbs64 \
         /tmp/census /tmp/fusions /tmp/mbs96 /tmp/packing /tmp/h100packing /tmp/trialcost /tmp/probes /tmp/firststep \
-        /tmp/kernelwall 2>/dev/null ;;
+        /tmp/kernelwall /tmp/kernelwall_proxy 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

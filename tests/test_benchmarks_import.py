@@ -143,6 +143,27 @@ def test_kernel_wall_refuses_two_loops_of_different_recipes(tmp_path):
     assert "different recipes" in proc.stderr and not (tmp_path / "wall.json").exists()
 
 
+def test_kernel_wall_presets_each_compare_two_plans_of_one_recipe(tmp_path):
+    """Every preset's plain loop and best config plan on their card and train one recipe, at its MFU target."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import kernel_wall
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    for model, preset in kernel_wall.PRESETS.items():
+        for hardware, best in preset.best.items():
+            overrides = kernel_wall.loop_overrides(preset.common(hardware), preset.plain, best)
+            plain_plan = kernel_wall.plan_of(overrides["plain"], tmp_path)
+            best_plan = kernel_wall.plan_of(overrides["best"], tmp_path)
+            assert (plain_plan.recipe or {})["fingerprint"] == (best_plan.recipe or {})["fingerprint"], (
+                model,
+                hardware,
+            )
+            assert best_plan.config["model"]["name"] == model and best_plan.config["hardware"]["name"] == hardware
+            assert plain_plan.num_microbatches >= best_plan.num_microbatches >= 1
+            assert best_plan.predicted_peak_memory_gib is not None
+
+
 def test_card_summary_keeps_each_card_in_its_own_table(tmp_path):
     """A confirmation and a kernel-wall result of two cards: two tables, each row its re-run median and recipe."""
     sys.path.insert(0, str(BENCHMARKS))
