@@ -41,7 +41,8 @@ def bare_loop(run_dir: Path) -> None:
     import torch.distributed as dist
 
     from moe_vlm_sweep.train.loop import training_stream
-    from moe_vlm_sweep.train.worker import init_distributed, preflight
+    from moe_vlm_sweep.train.preflight import preflight
+    from moe_vlm_sweep.train.worker import init_distributed
 
     plan = RunPlan.read(run_dir / "plan.json")
     if plan.layout.pp > 1:
@@ -172,6 +173,7 @@ def run_worker(plan: RunPlan, outputs: Path, name: str) -> dict:
         "steps": st.steps,
         "mfu": result.metrics.mfu,
         "effective_tokens_per_s_per_gpu": result.metrics.effective_tokens_per_s_per_gpu,
+        "peak_memory_gib": result.metrics.peak_memory_gib,
         "recipe": result.metrics.recipe,
     }
 

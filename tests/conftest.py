@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,41 @@ import torch
 from moe_vlm_sweep.cli import main
 from moe_vlm_sweep.config.compose import compose_run_config
 from moe_vlm_sweep.launch.run_dir import new_run_dir, prepare
+from moe_vlm_sweep.metrics.schema import NATIVE_CRASH_MARK
 from moe_vlm_sweep.plan.plan import RunPlan, make_plan
+
+needs_cuda_te = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
+    reason="needs a CUDA GPU with Transformer Engine; CI has neither",
+)
+"""The GPU tests' mark: they run on a GPU machine with ``python -m pytest tests/test_gpu_*.py``."""
+
+GPU_TINY = ("model=tiny", "model.text_tokens=113", "hardware=h200", "parallel=3d", "batch.mbs=2", "batch.gbs=4")
+"""``model=tiny`` on a GPU: TE specs and bf16, 128 decoder tokens (a multiple of 128, which graphed attention
+needs on cuDNN <= 9.15), two micro-batches a step."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A test whose run died in native code (a crash inside torch or gloo on the CPU, which the run's reason names
+    and ``why_failed`` puts in the assertion message) is run once more; any other failure is final, and the
+    summary line counts the reruns. Only where pytest-rerunfailures is installed (``.[test]``): the GPU tests
+    also run where it is not."""
+    if config.pluginmanager.hasplugin("rerunfailures") and not config.getoption("reruns"):
+        config.option.reruns = 1
+        config.option.only_rerun = [re.escape(NATIVE_CRASH_MARK)]
+
+
+def why_failed(run_dir: Path | None) -> str:
+    """A failed run's account for an assertion message: the launcher's reason, the stacks of any rank that died in
+    native code, and the end of the worker's log (a peer's broken pipe comes last there, rarely the cause)."""
+    if run_dir is None:
+        return "no run directory"
+    result = run_dir / "result.json"
+    parts = [json.loads(result.read_text())["reason"] if result.exists() else "no result.json"]
+    parts += [f"{crash.name}:\n{crash.read_text()[-3000:]}" for crash in sorted(run_dir.glob("native_crash.rank*"))]
+    log = run_dir / "worker.log"
+    parts.append(log.read_text()[-4000:] if log.exists() else "no worker.log")
+    return "\n".join(parts)
 
 
 def run_in(outputs: Path, *overrides: str) -> tuple[int, Path | None]:

@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,15 @@ from moe_vlm_sweep.launch.local import classify
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.launch.summary import summarize
-from moe_vlm_sweep.metrics.schema import Failure, Metrics, read_failure, read_metrics, write_failure, write_metrics
+from moe_vlm_sweep.metrics.schema import (
+    Failure,
+    Metrics,
+    native_crash_file,
+    read_failure,
+    read_metrics,
+    write_failure,
+    write_metrics,
+)
 from moe_vlm_sweep.plan.compose import INVALID_ERRORS, compose_plan, plan_of
 from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.sweep.trial import Outcome, metric_value, plan_trial
@@ -88,6 +97,37 @@ def test_a_failure_file_of_an_unknown_class_is_a_crash_that_says_so(tmp_path):
         read_failure(tmp_path)
     result = classify(tmp_path, 1, False, 60.0)
     assert result.status == RunStatus.CRASH and "segfault" in result.reason
+
+
+def test_the_first_failure_is_the_cause_whether_native_or_python(tmp_path):
+    """A rank that dies in native code writes no failure.json; its peer, losing the connection, does. The earlier
+    of the two is the run's cause: a peer's broken pipe after a crash is not, an abort after a peer's OOM is not."""
+    write_failure(
+        tmp_path,
+        Failure(
+            failure_class="crash",
+            exception_type="RuntimeError",
+            message="Connection reset by peer",
+            rank=1,
+            step=4,
+            traceback="",
+        ),
+    )
+    crash = native_crash_file(tmp_path, 0)
+    crash.write_text('Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n  File "loop.py"\n')
+    failed_at = (tmp_path / "failure.json").stat().st_mtime_ns
+    os.utime(crash, ns=(failed_at - 1, failed_at - 1))
+    result = classify(tmp_path, 1, False, 60.0)
+    assert result.status == RunStatus.CRASH and result.failure is not None and result.failure.rank == 1
+    assert result.reason == (
+        "rank 0: Fatal Python error: Aborted (a native crash; every thread's stack is in native_crash.rank0.txt)"
+    )
+
+    for after in (failed_at + 1, failed_at):  # a tie too: a peer's abort follows a failure within the clock's tick
+        os.utime(crash, ns=(after, after))
+        assert classify(tmp_path, 1, False, 60.0).reason == "RuntimeError: Connection reset by peer"
+    crash.write_text("")  # a rank that ended normally leaves no stacks: an empty file is no crash
+    assert classify(tmp_path, 1, False, 60.0).reason == "RuntimeError: Connection reset by peer"
 
 
 def test_result_json_round_trips_typed_and_reads_earlier_empty_parts(tmp_path):

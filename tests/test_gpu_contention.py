@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import read_json, run_in
+from conftest import read_json, run_in, why_failed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,7 +41,7 @@ def test_another_process_on_the_trials_gpu_is_named_and_the_trial_itself_is_not(
     finally:
         holder.kill()
         holder.wait()
-    assert code == 0, run_dir and (run_dir / "worker.log").read_text()[-4000:]
+    assert code == 0, why_failed(run_dir)
     metrics = read_json(run_dir / "metrics.json")
     contention = metrics["contention"]
     assert contention["gpu_source"] in ("nvml", "nvidia-smi"), contention
@@ -51,6 +51,6 @@ def test_another_process_on_the_trials_gpu_is_named_and_the_trial_itself_is_not(
     assert seen[holder.pid]["gpu_memory_mib"] is None or seen[holder.pid]["gpu_memory_mib"] >= 1024
 
     code, run_dir = run_in(tmp_path / "alone", *_TINY_ON_GPU)
-    assert code == 0, run_dir and (run_dir / "worker.log").read_text()[-4000:]
+    assert code == 0, why_failed(run_dir)
     metrics = read_json(run_dir / "metrics.json")
     assert metrics["contended"] is False, metrics["contention"]  # its own CUDA context is not "another process"

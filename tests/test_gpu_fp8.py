@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from conftest import read_json, run_in
+from conftest import read_json, run_in, why_failed
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
@@ -41,7 +41,7 @@ TE_RECIPES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
 
 def _run(outputs, *overrides: str) -> dict:
     code, run_dir = run_in(outputs, *COMMON, *overrides)
-    assert code == 0, run_dir and (run_dir / "worker.log").read_text()[-4000:]
+    assert code == 0, why_failed(run_dir)
     return read_json(run_dir / "metrics.json")
 
 

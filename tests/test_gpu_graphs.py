@@ -9,24 +9,13 @@ attention at a length TE would run unfused (``machine_rules.graphs_unfuse_attent
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-import torch
-from conftest import read_json, run_in
+from conftest import GPU_TINY, needs_cuda_te, read_json, run_in, why_failed
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
-    reason="needs a CUDA GPU with Transformer Engine (the H200 machine); CI has neither",
-)
+pytestmark = needs_cuda_te
 
 COMMON = (
-    "model=tiny",
-    "model.text_tokens=113",
-    "hardware=h200",
-    "parallel=3d",
-    "batch.mbs=2",
-    "batch.gbs=4",
+    *GPU_TINY,
     "train.warmup_steps=3",
     "train.steps=4",
     "train.profile_steps=1",
@@ -36,7 +25,7 @@ COMMON = (
 
 def _run(outputs, *overrides: str) -> dict:
     code, run_dir = run_in(outputs, *COMMON, *overrides)
-    assert code == 0, run_dir and (run_dir / "worker.log").read_text()[-4000:]
+    assert code == 0, why_failed(run_dir)
     return read_json(run_dir / "metrics.json")
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -43,27 +45,61 @@ def test_killed_worker_is_a_crash(tmp_path):
     assert result.status == "crash"
     assert "SIGKILL" in result.reason
     assert not (run_dir / "metrics.json").exists()
+    assert not list(run_dir.glob("native_crash.*"))  # a kill is no native crash: the rank's empty file is gone
     assert RunResult.read(run_dir).status == "crash"
 
 
-def test_a_native_crash_leaves_the_workers_python_stacks_in_its_log(tmp_path):
-    """A worker killed by a fatal signal (a segfault in a native library) is a crash, and its log says what each
-    thread was running: faulthandler's stacks, as failure.json cannot be written."""
-    plan, run_dir = prepared(tmp_path, LONG)
+@pytest.mark.flaky(reruns=0)  # the crash is this test's own doing: never rerun as the chance one would be
+def test_a_native_crash_leaves_the_workers_python_stacks_beside_its_log(tmp_path):
+    """A worker killed by a fatal signal (a segfault in a native library) is a crash, and its rank's crash file
+    says what each thread was running: faulthandler's stacks, as failure.json cannot be written."""
+    run_dir, ranks, ended = _training(tmp_path, LONG)
+    os.kill(ranks[0], signal.SIGSEGV)
+    result = ended()
+    assert result.status == "crash"
+    assert result.reason.startswith("rank 0: Fatal Python error: Segmentation fault"), result.reason
+    stacks = (run_dir / "native_crash.rank0.txt").read_text()
+    assert stacks.startswith("Fatal Python error: Segmentation fault")
+    assert "moe_vlm_sweep/train/" in stacks  # the stack reaches the training code
+    assert RunResult.read(run_dir).reason == result.reason
+
+
+@pytest.mark.slow
+@pytest.mark.flaky(reruns=0)
+def test_a_rank_that_aborts_is_the_cause_not_the_peer_that_lost_it(tmp_path):
+    """Two ranks: rank 0 aborts in native code (SIGABRT, as glibc does on a corrupted heap), rank 1 then fails on
+    the closed connection. The run's reason names rank 0 and its stacks, not rank 1's broken pipe."""
+    run_dir, ranks, ended = _training(
+        tmp_path, [*LONG, "launcher=torchrun", "launcher.nproc_per_node=2", "parallel.ep=2"]
+    )
+    assert set(ranks) == {0, 1}, f"the two ranks never trained: {ranks}"
+    os.kill(ranks[0], signal.SIGABRT)
+    result = ended()
+    assert result.status == "crash"
+    assert result.reason.startswith("rank 0: Fatal Python error: Aborted"), result.reason
+    assert result.failure is None or result.failure.rank == 1  # rank 1's broken pipe, if it wrote one, is kept
+    assert "moe_vlm_sweep/train/" in (run_dir / "native_crash.rank0.txt").read_text()
+    assert not (run_dir / "native_crash.rank1.txt").exists()  # rank 1 ended by a Python exception or a signal
+
+
+def _training(tmp_path, overrides: list[str]) -> tuple[Path, dict[int, int], Callable[[], RunResult]]:
+    """A run launched in a thread, once its ranks train: (run dir, pid of each rank, wait for its result)."""
+    plan, run_dir = prepared(tmp_path, overrides)
     box: dict[str, RunResult] = {}
     thread = threading.Thread(target=lambda: box.setdefault("r", launch(plan, run_dir)))
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline and "measured]" not in _text(run_dir / "worker.log"):
         time.sleep(0.2)
-    pids = _worker_pids(run_dir)
-    assert pids, "the worker never trained"
-    os.kill(pids[0], signal.SIGSEGV)
-    thread.join(timeout=120)
-    assert box["r"].status == "crash" and "SIGSEGV" in box["r"].reason
-    log = (run_dir / "worker.log").read_text()
-    assert "Fatal Python error: Segmentation fault" in log
-    assert "moe_vlm_sweep/train/" in log.split("Fatal Python error")[1]  # the stack reaches the training code
+    workers = [p for p in processes_under(run_dir, WORKER) if "torch.distributed.run" not in " ".join(p.cmdline())]
+    ranks = {int(p.environ().get("RANK", 0)): p.pid for p in workers}  # a world of one runs without torchrun
+    assert 0 in ranks, f"the worker never trained: {ranks}"
+
+    def ended() -> RunResult:
+        thread.join(timeout=120)
+        return box["r"]
+
+    return run_dir, ranks, ended
 
 
 def _text(path) -> str:

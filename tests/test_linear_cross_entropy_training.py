@@ -4,12 +4,12 @@ vocabulary-parallel path) under torchrun."""
 from __future__ import annotations
 
 import pytest
-from conftest import read_json
+from conftest import read_json, why_failed
 
 
 def _losses(run_cli, *overrides: str) -> list[float]:
     code, run_dir = run_cli("model=tiny", "train.steps=3", "train.warmup_steps=1", "train.profile_steps=0", *overrides)
-    assert code == 0, (run_dir / "worker.log").read_text()[-3000:]
+    assert code == 0, why_failed(run_dir)
     return read_json(run_dir / "metrics.json")["loss"]["values"]
 
 

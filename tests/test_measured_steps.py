@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import read_json, run_in
+from conftest import read_json, run_in, why_failed
 
 from moe_vlm_sweep.config.schema import TrainConf
 from moe_vlm_sweep.train.steps import MeasuredSteps, StopReason, cv
@@ -55,7 +55,7 @@ def test_invalid_values_exit_2(tmp_path, capsys, override, rule):
 def test_metrics_say_how_many_steps_and_why(run_cli):
     # Two CPU steps have a CV under 0.9 unless one took 19x the other: the target stops at the floor.
     code, run_dir = run_cli("model=tiny", "train.steps=12", "train.target_cv=0.9", "train.min_steps=2")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     steps = read_json(run_dir / "metrics.json")["step_time_s"]
     assert steps["measured"] == len(steps["steps"]) == 2
     assert steps["stopped_by"] == "target_cv" and steps["target_cv"] == 0.9
@@ -65,7 +65,7 @@ def test_metrics_say_how_many_steps_and_why(run_cli):
 
 def test_fixed_steps_say_so(run_cli):
     code, run_dir = run_cli("model=tiny", "train.steps=3")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     steps = read_json(run_dir / "metrics.json")["step_time_s"]
     assert steps["measured"] == 3 and steps["stopped_by"] == "steps" and steps["target_cv"] is None
 
@@ -82,6 +82,6 @@ def test_ranks_stop_at_the_same_step(run_cli):
         "train.target_cv=0.9",
         "train.min_steps=2",
     )
-    assert code == 0, (run_dir / "worker.log").read_text()[-4000:]
+    assert code == 0, why_failed(run_dir)
     steps = read_json(run_dir / "metrics.json")["step_time_s"]
     assert steps["measured"] == 2 and steps["stopped_by"] == "target_cv"

@@ -41,14 +41,27 @@ def _as_ran(overrides: list[str], date: str) -> list[str]:
     return [*overrides, *(f"{k}=true" for k in ("fusions.bias_dropout", "fusions.cross_entropy") if k not in given)]
 
 
+def _listed_runs(document: dict) -> list[dict]:
+    """The runs of ``compare_configs.py`` and ``memory_table.py`` (a list, each run with its overrides) and those of
+    ``kernel_wall.py`` (per loop, the loop's overrides beside them) that recorded their peak memory; the plain
+    loop's bare runs record none."""
+    runs = document.get("runs", [])
+    if isinstance(runs, list):
+        return runs
+    return [
+        {**run, "config": f"{loop}{i}", "overrides": document["overrides"][loop]}
+        for loop, loop_runs in runs.items()
+        for i, run in enumerate(loop_runs, 1)
+        if "peak_memory_gib" in run
+    ]
+
+
 def _gpu_runs() -> list[tuple[str, dict]]:
-    """Every successful GPU run in the results' JSON (``compare_configs.py``'s and ``memory_table.py``'s: a list of
-    runs, each with its overrides; ``kernel_wall.py``'s runs per loop carry no memory and are left out)."""
+    """Every successful GPU run in the results' JSON."""
     rows = []
     for path in sorted(RESULTS.rglob("*.json")):
         document = json.loads(path.read_text())
-        runs = document.get("runs", []) if isinstance(document, dict) else []
-        for run in runs if isinstance(runs, list) else []:
+        for run in _listed_runs(document) if isinstance(document, dict) else []:
             if run.get("status") == "ok" and _on_gpu(run["overrides"]):
                 run = {**run, "overrides": _as_ran(run["overrides"], document.get("date", ""))}
                 rows.append((f"{path.relative_to(RESULTS).with_suffix('')}:{run['config']}", run))
@@ -61,6 +74,19 @@ CENSUSES = [
     for name, run in _gpu_runs()
     if "saved_activations_gib" in run
 ]
+
+
+def test_kernel_wall_runs_are_read_with_their_loops_overrides():
+    """``kernel_wall.py`` stores runs per loop and the overrides once per loop; the bare plain loop records no
+    memory, so only the best config's runs are held to the estimate."""
+    document = {
+        "overrides": {"plain": ["batch.mbs=32"], "best": ["batch.mbs=96"]},
+        "runs": {"plain": [{"status": "ok"}], "best": [{"status": "ok", "peak_memory_gib": 70.0}, {"status": "oom"}]},
+    }
+    assert _listed_runs(document) == [
+        {"status": "ok", "peak_memory_gib": 70.0, "config": "best1", "overrides": ["batch.mbs=96"]}
+    ]
+    assert _listed_runs({"runs": [{"config": "a"}]}) == [{"config": "a"}]
 
 
 def test_the_results_hold_gpu_measurements():

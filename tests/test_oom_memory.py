@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed
+from conftest import why_failed
 
 from moe_vlm_sweep.train.oom import memory_state
 from moe_vlm_sweep.train.worker import classify
@@ -33,7 +34,7 @@ _CAPPED_WORKER = textwrap.dedent(
 
 def test_a_worker_that_runs_out_of_address_space_fails_as_oom_with_its_memory(run_cli, tmp_path):
     code, run_dir = run_cli("model=tiny", "train.steps=1", "train.warmup_steps=0", "train.profile_steps=0")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     (run_dir / "metrics.json").unlink()
     proc = subprocess.run(
         [sys.executable, "-c", _CAPPED_WORKER, str(run_dir)], capture_output=True, text=True, timeout=300

@@ -4,7 +4,7 @@ gradient-reduce and parameter-gather overlap on, give the losses of the same run
 from __future__ import annotations
 
 import pytest
-from conftest import read_json
+from conftest import read_json, why_failed
 
 OVERLAP = ("parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true")
 
@@ -21,7 +21,7 @@ def _losses(run_cli, *overrides: str) -> list[float]:
         "train.profile_steps=0",
         *overrides,
     )
-    assert code == 0, (run_dir / "worker.log").read_text()[-3000:]
+    assert code == 0, why_failed(run_dir)
     return read_json(run_dir / "metrics.json")["loss"]["values"]
 
 

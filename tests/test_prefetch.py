@@ -7,7 +7,7 @@ from __future__ import annotations
 import psutil
 import pytest
 import torch
-from conftest import read_json
+from conftest import read_json, why_failed
 
 from moe_vlm_sweep.cli import main
 from moe_vlm_sweep.config.compose import compose_run_config
@@ -153,7 +153,7 @@ def test_a_run_with_workers_trains_exactly_as_without(run_cli):
             "train.profile_steps=0",
             f"data.loader_workers={workers}",
         )
-        assert code == 0, (run_dir / "worker.log").read_text()[-3000:]
+        assert code == 0, why_failed(run_dir)
         metrics = read_json(run_dir / "metrics.json")
         losses[workers] = metrics["loss"]["values"]
         assert metrics["recipe"] == read_json(run_dir / "plan.json")["recipe"]["fingerprint"]

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 import pytest
-from conftest import read_json
+from conftest import read_json, why_failed
 
 from moe_vlm_sweep.metrics import schema as ms
 from moe_vlm_sweep.plan.memory import ACTIVATION_PARTS
@@ -18,7 +18,7 @@ def _fields(cls) -> set[str]:
 
 def test_tiny_run_writes_every_metric(run_cli):
     code, run_dir = run_cli("model=tiny", "train.steps=4", "train.profile_steps=1")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     metrics = read_json(run_dir / "metrics.json")
     assert set(metrics) == _fields(ms.Metrics) and set(metrics["step_time_s"]) == _fields(ms.StepTimes)
     # Every field is written, defaults too: what tells is which ones the run left empty. On the CPU only the
@@ -37,6 +37,8 @@ def test_tiny_run_writes_every_metric(run_cli):
     assert all(wall[k] > 0 for k in startup) and wall["measured"] >= sum(metrics["step_time_s"]["steps"])
     # train.warmup_steps=2: one plain warm-up step, then the census step
     assert metrics["loss"]["phases"] == ["warmup", "census", *["measured"] * 4, "profile"]
+    norms = metrics["loss"]["grad_norms"]
+    assert len(norms) == len(metrics["loss"]["values"]) and all(n > 0 for n in norms) and len(set(norms)) > 1
     warmup = metrics["warmup_step_time_s"]
     assert len(warmup) == 1 and all(v > 0 for v in warmup)
     waits = metrics["warmup_data_wait_s"]
@@ -59,7 +61,7 @@ _MBS = 2
 
 def _census(run_cli, *overrides: str) -> tuple[dict, dict, str]:
     code, run_dir = run_cli("model=tiny", f"batch.mbs={_MBS}", "train.steps=1", "train.profile_steps=0", *overrides)
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     census = read_json(run_dir / "metrics.json")["saved_activations"]
     layers = sum(v for k, v in census["measured_gib"].items() if k.startswith("decoder.layers."))
     return (
@@ -73,7 +75,7 @@ def test_the_census_needs_a_plain_warmup_step_before_it(run_cli):
     """With a single warm-up step (the one that pays the one-time costs, which the census's hooks must not
     share) the census is a step of its own after the measured ones, still before the profile step."""
     code, run_dir = run_cli("model=tiny", "train.warmup_steps=1", "train.steps=2", "train.profile_steps=1")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     metrics = read_json(run_dir / "metrics.json")
     assert metrics["loss"]["phases"] == ["warmup", "measured", "measured", "census", "profile"]
     assert metrics["saved_activations"]["measured_gib"]["total"] > 0
@@ -90,7 +92,7 @@ def test_a_census_that_cannot_count_is_a_visible_census_failure(run_cli, tmp_pat
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     code, run_dir = run_cli("model=tiny", "train.steps=1", "train.profile_steps=0")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     metrics = read_json(run_dir / "metrics.json")
     assert metrics["saved_activations"] is None
     assert metrics["census_failure"] == "RuntimeError: no saved-tensor hooks on this machine"
@@ -126,14 +128,14 @@ def test_the_census_counts_what_autograd_saves_per_part(run_cli):
 def test_without_manual_gc_the_collector_pauses_inside_measured_steps(run_cli):
     """What train.manual_gc keeps out of the timings: a training step allocates enough to trigger collections."""
     code, run_dir = run_cli("model=tiny", "train.steps=3", "train.profile_steps=0", "train.manual_gc=false")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     pauses = read_json(run_dir / "metrics.json")["gc_in_measured_steps"]
     assert pauses["count"] > 0 and pauses["seconds"] > 0
 
 
 def test_trace_covers_the_profile_steps(run_cli):
     code, run_dir = run_cli("model=tiny", "train.steps=2", "train.profile_steps=1", "train.trace=true")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     kernels = (run_dir / "kernels.txt").read_text()
     assert "aten::" in kernels and "Self CPU" in kernels and "aten::" in (run_dir / "host_ops.txt").read_text()
     assert '"traceEvents"' in (run_dir / "trace.json").read_text()
@@ -147,7 +149,7 @@ def test_trace_covers_the_profile_steps(run_cli):
 def test_the_first_step_trace_covers_the_first_step_alone(run_cli):
     """train.trace_first_step: the first warm-up step's ops, by host time, and its trace: one optimizer step."""
     code, run_dir = run_cli("model=tiny", "train.steps=2", "train.profile_steps=0", "train.trace_first_step=true")
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     ops = (run_dir / "first_step_host_ops.txt").read_text()
     assert "aten::" in ops and "Self CPU" in ops
     assert (run_dir / "first_step_copies.txt").read_text().startswith("copy and cast ops by call site")
@@ -165,7 +167,7 @@ def test_loss_falls_on_a_fixed_batch(run_cli):
         "train.profile_steps=0",
         "train.lr=3e-3",
     )
-    assert code == 0, (run_dir / "worker.log").read_text()
+    assert code == 0, why_failed(run_dir)
     recorded = read_json(run_dir / "metrics.json")["loss"]
     loss = [v for v, phase in zip(recorded["values"], recorded["phases"]) if phase == "measured"]
     assert len(loss) == 30 and recorded["phases"][30:] == ["census"]  # no warm-up step for the census to take
@@ -195,7 +197,7 @@ def test_packed_training_matches_padded_on_real_tokens_only(run_cli):
             "train.profile_steps=0",
             f"data.packing={packing}",
         )
-        assert code == 0, (run_dir / "worker.log").read_text()[-3000:]
+        assert code == 0, why_failed(run_dir)
         runs[packing] = read_json(run_dir / "metrics.json")
     padded, packed = runs["false"], runs["true"]
     assert padded["real_tokens_per_step"] < padded["padded_tokens_per_step"]
@@ -213,7 +215,7 @@ def test_two_process_layouts_train(name, run_cli):
     code, run_dir = run_cli(
         "model=tiny", "launcher=torchrun", "launcher.nproc_per_node=2", "train.steps=3", *LAYOUTS[name]
     )
-    assert code == 0, (run_dir / "worker.log").read_text()[-4000:]
+    assert code == 0, why_failed(run_dir)
     metrics = read_json(run_dir / "metrics.json")
     layout = metrics["layout"]
     assert layout["world_size"] == 2

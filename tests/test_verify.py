@@ -7,7 +7,8 @@ import json
 import pytest
 
 from moe_vlm_sweep.cli import main
-from moe_vlm_sweep.export.verify import HEADROOM, LOSS_RESOLUTION, compare
+from moe_vlm_sweep.export.verify import HEADROOM, RESOLUTION, check_curve, compare
+from moe_vlm_sweep.metrics.schema import Loss
 
 REF = [6.0, 5.9, 5.7, 5.6]
 
@@ -15,16 +16,53 @@ REF = [6.0, 5.9, 5.7, 5.6]
 def test_the_tolerance_is_the_reference_spread_against_itself():
     perturbed = [6.0, 5.9 + 1e-4, 5.7 - 3e-4, 5.6 + 1e-4]  # spread 0, 1e-4, 3e-4, 1e-4 -> envelope 0, 1e-4, 3e-4, 3e-4
     within = [6.0, 5.9 + HEADROOM * 1e-4 * 0.9, 5.7, 5.6 - HEADROOM * 3e-4 * 0.9]
-    verdict = compare(REF, perturbed, within)
-    assert verdict.passed and verdict.max_deviation_step == 3
-    assert verdict.tolerance == pytest.approx(
-        [HEADROOM * e + LOSS_RESOLUTION * r for e, r in zip([0, 1e-4, 3e-4, 3e-4], REF)]
-    )
+    check = check_curve(REF, perturbed, within)
+    assert check.passed and check.max_deviation_step == 3
+    assert check.tolerance == pytest.approx([HEADROOM * e + RESOLUTION * r for e, r in zip([0, 1e-4, 3e-4, 3e-4], REF)])
     # a first-step difference beyond the loss's resolution fails though later steps are noisy: the forward of
     # step 0 is the same under any layout, so only a change of the model (dropped tokens) moves it
-    early = compare(REF, perturbed, [6.0 + 1e-4, *REF[1:]])
+    early = check_curve(REF, perturbed, [6.0 + 1e-4, *REF[1:]])
     assert not early.passed and early.worst_step == 0 and early.max_deviation == pytest.approx(1e-4)
-    assert not compare(REF, perturbed, [*REF[:3], 5.6 + HEADROOM * 3e-4 * 1.1]).passed
+    assert not check_curve(REF, perturbed, [*REF[:3], 5.6 + HEADROOM * 3e-4 * 1.1]).passed
+
+
+def _loss(values: list[float], grad_norms: list[float | None]) -> Loss:
+    return Loss(values=values, phases=["measured"] * len(values), grad_norms=grad_norms)
+
+
+def test_a_gradient_counted_twice_fails_though_the_loss_agrees():
+    """The candidate's losses are the reference's; its gradient norms are twice theirs from step 1 (what a
+    weight-gradient fusion that adds a micro-batch's gradient twice does, which Adam hides from the loss)."""
+    norms = [2.0, 1.5, 1.2, 1.1]
+    runs = {
+        "reference": _loss(REF, norms),
+        "perturbed": _loss(REF, [n * (1 + 1e-5) for n in norms]),
+        "candidate": _loss(REF, [norms[0], *(2 * n for n in norms[1:])]),
+    }
+    verdict = compare(runs)
+    assert verdict.status == "fail" and verdict.loss is not None and verdict.loss.passed
+    assert verdict.grad_norm is not None and verdict.grad_norm.worst_step == 1 and not verdict.grad_norm.passed
+    assert verdict.summary().startswith("verify: FAIL over 4 steps (gradient norm outside the tolerance): ")
+    assert "gradient norm: largest gradient norm deviation 1.5 at step 1" in verdict.summary()
+    runs["candidate"] = _loss(REF, norms)
+    assert compare(runs).passed
+    runs["candidate"] = _loss(REF, [*norms[:2], float("nan"), norms[3]])  # a NaN fails, wherever it is
+    nan = compare(runs)
+    assert not nan.passed and nan.grad_norm is not None and nan.grad_norm.worst_step == 2
+
+
+def test_steps_without_a_gradient_norm_are_left_out_of_its_check():
+    """A step without a norm in any run (None: the optimizer did not report one) is not compared; runs of an
+    earlier version, with no norms at all, are compared on their loss alone and the summary says so."""
+    runs = {
+        "reference": _loss(REF, [2.0, None, 1.2, 1.1]),
+        "perturbed": _loss(REF, [2.0, 1.5, 1.2 + 1e-4, 1.1]),
+        "candidate": _loss(REF, [2.0, 9.0, 1.2, 1.1]),
+    }
+    verdict = compare(runs)
+    assert verdict.passed and verdict.grad_norm is not None and verdict.grad_norm.steps == [0, 2, 3]
+    old = compare({name: _loss(REF, []) for name in runs})
+    assert old.passed and old.grad_norm is None and "gradient norm: not compared" in old.summary()
 
 
 def test_verify_needs_a_reference_and_valid_configs(tmp_path, capsys):
@@ -50,11 +88,15 @@ def test_tp2_sp_passes_against_its_fsdp_reference(tmp_path, capsys):
         tmp_path, capsys, [*TWO, "parallel=3d", "parallel.tp=2", "parallel.sp=true"], [*TWO, "parallel=fsdp"], steps=6
     )
     assert code == 0, out
-    assert "verify: PASS: largest loss deviation" in out and "batch.mbs=1 instead of 2" in out
+    assert "verify: PASS over 6 steps: largest loss deviation" in out and "batch.mbs=1 instead of 2" in out
+    assert "gradient norm: largest gradient norm deviation" in out
     record = json.loads((tmp_path / "verify" / "verify.json").read_text())
-    assert record["status"] == "pass" and len(record["candidate"]) == 6
+    assert record["schema_version"] == 2
+    assert record["status"] == "pass" and len(record["loss"]["candidate"]) == 6
+    assert record["grad_norm"]["steps"] == list(range(6))
     assert record["recipes"]["candidate"]["fingerprint"] == record["recipes"]["reference"]["fingerprint"]
-    assert record["perturbed"] != record["reference"]  # the tolerance comes from a real second run
+    for curve in ("loss", "grad_norm"):  # the tolerance comes from a real second run
+        assert record[curve]["perturbed"] != record[curve]["reference"]
 
 
 @pytest.mark.slow
@@ -63,7 +105,8 @@ def test_a_token_dropping_candidate_fails(tmp_path, capsys):
     dropping = ["dispatcher.capacity_factor=1.0", "dispatcher.pad_to_capacity=true"]
     code, out = _verify(tmp_path, capsys, [*one, *dropping], one, steps=4)
     assert code == 1, out
-    assert "verify: FAIL" in out and "nearest its tolerance at step 0" in out
+    assert "verify: FAIL over 4 steps (loss and gradient norm outside the tolerance)" in out
+    assert "nearest its tolerance at step 0" in out
     assert "recipes differ" in out and "dispatcher.capacity_factor=1.0" in out
 
 

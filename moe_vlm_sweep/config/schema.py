@@ -292,10 +292,13 @@ class FusionsConf:
     without it (``benchmarks/results/h100_trial_cost/moe_permute.json``), so it stays on.
     ``benchmarks/trial_cost.py``'s GPU run measures each fusion this default turns on alone (first-step cost
     against step time, its summary's ``fusions``); one that does not pay for itself within a trial joins the list
-    below. ``gradient_accumulation``: one megatron flag for the whole model; TE's layers
-    would fuse it with their own GEMM, but the output layer is megatron's ColumnParallelLinear, which needs APEX's
-    ``fused_weight_gradient_mlp_cuda`` extension that TE-only installs lack; set it true where APEX is built (the
-    worker's preflight checks and says where megatron raises). ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
+    below. ``gradient_accumulation``: a layer's weight-gradient GEMM accumulates into DDP's fp32 ``main_grad``
+    itself. megatron's one flag needs APEX's ``fused_weight_gradient_mlp_cuda`` for megatron's own layers (the
+    output layer, ColumnParallelLinear), which TE-only installs lack; there, TE's layers alone fuse it
+    (``model/build.py``: ``fuse_wgrad_accumulation_in_te_layers``) and the output layer accumulates unfused; with no
+    TE layer, or under Megatron-FSDP, the worker's preflight rejects it and says why. Neither its speed nor
+    ``tests/test_gpu_wgrad_fusion.py`` has run on a GPU yet.
+    ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
     three more tensors of the expert width per routed token) is measured on the H200 only as a memory saver
     (with the unfused loss it lets MBS 96 fit: ``benchmarks/results/h200_small_fused/``), not alone for speed, so

@@ -4,8 +4,8 @@ Each sample is ``[<image> x images_per_sample, caption..., pad...]`` of ``model.
 real length is drawn per sample, so padding is real and the real-token count differs from the padded one.
 Each sample is drawn from its own generator, seeded by (data.seed, step, the sample's index in the global batch),
 so every rank of a tensor/pipeline group sees the same micro-batch without any broadcast, and a step's global
-batch is the same samples under any layout (dp, mbs): ``moe-vlm-sweep verify`` compares two layouts' loss curves
-on the same batches.
+batch is the same samples under any layout (dp, mbs): ``moe-vlm-sweep verify`` compares two layouts' loss and
+gradient-norm curves on the same batches.
 """
 
 from __future__ import annotations

@@ -170,8 +170,12 @@ class SweepEnd:
                 say(verdict.summary())
                 verdict_tags = {
                     "moe_vlm_sweep.verify": verdict.status,
-                    "moe_vlm_sweep.verify_max_loss_deviation": verdict.max_deviation,
-                    "moe_vlm_sweep.verify_max_deviation_step": verdict.max_deviation_step,
+                    "moe_vlm_sweep.verify_max_loss_deviation": verdict.loss and verdict.loss.max_deviation,
+                    "moe_vlm_sweep.verify_max_deviation_step": verdict.loss and verdict.loss.max_deviation_step,
+                    **{
+                        f"moe_vlm_sweep.verify_{name.replace(' ', '_')}_worst_ratio": check.worst_ratio
+                        for name, check in verdict.curves().items()
+                    },
                     "moe_vlm_sweep.verify_trials": f"#{winner.number} vs #{first.number}",
                 }
         if self.tracker is not None:

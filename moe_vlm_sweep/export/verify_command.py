@@ -1,5 +1,5 @@
 """``moe-vlm-sweep verify [STUDY | OVERRIDES] [--against OVERRIDES] [--steps N]``: does the candidate train the
-same model as its reference? (``export/verify.py`` says how the loss curves are compared.)
+same model as its reference? (``export/verify.py`` says how the loss and gradient-norm curves are compared.)
 
     moe-vlm-sweep verify STUDY                      the study's best (its exported winner, else its top trial of
                                                     the baseline's recipe) against the study's first trial

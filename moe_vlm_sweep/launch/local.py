@@ -37,7 +37,13 @@ from moe_vlm_sweep.launch.lifeline import LAUNCHER_ENV, launcher_identity
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import WORKER_LOG
 from moe_vlm_sweep.launch.status import RunStatus
-from moe_vlm_sweep.metrics.schema import read_failure, read_metrics
+from moe_vlm_sweep.metrics.schema import (
+    FAILURE_FILE,
+    drop_empty_native_crash_files,
+    first_native_crash,
+    read_failure,
+    read_metrics,
+)
 from moe_vlm_sweep.plan.plan import RunPlan
 
 WORKER_MODULE = "moe_vlm_sweep.train.worker"
@@ -164,7 +170,10 @@ def classify(
             returncode=returncode,
             failure=failure,
         )
-    if failure is not None:
+    native = first_native_crash(run_dir)
+    # A tie goes to failure.json: a peer's abort follows a Python failure within the clock's tick, while a Python
+    # failure caused by a crash needs a timed-out or reset connection, a traceback and a file written.
+    if failure is not None and (native is None or native.at_ns >= (run_dir / FAILURE_FILE).stat().st_mtime_ns):
         return RunResult(
             status=failure.failure_class,
             reason=f"{failure.exception_type}: {failure.message}".strip(": "),
@@ -174,6 +183,8 @@ def classify(
     metrics, unreadable_metrics = _read(read_metrics, run_dir) if returncode == 0 else (None, "")
     if metrics is not None:
         return RunResult(status=RunStatus.OK, returncode=0, metrics=metrics)
+    if native is not None:  # before any peer's failure: a rank died in native code, its peers lost it
+        return RunResult(status=RunStatus.CRASH, reason=native.reason, returncode=returncode, failure=failure)
     if unreadable_failure or unreadable_metrics:
         reason = f"the worker's result does not read: {unreadable_failure or unreadable_metrics}"
     elif host_gone is not None:
@@ -248,6 +259,7 @@ def launch(
     finally:
         ended = _kill_group(trial)
         returncode = returncode if returncode is not None else ended
+    drop_empty_native_crash_files(run_dir)
     result = classify(run_dir, returncode, timed_out, timeout_s, stopped, getattr(trial, "gone", None))
     if (
         result.status == RunStatus.CRASH

@@ -7,6 +7,7 @@ nor megatron, so the sweep side can read results cheaply.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -78,6 +79,10 @@ class Loss:
     values: list[float]
     phases: list[str]
     """Per step: ``warmup``, ``census`` (an untimed step counting saved tensors), ``measured`` or ``profile``."""
+    grad_norms: list[float | None] = field(default_factory=list)
+    """Per step, the gradients' global L2 norm before clipping (``clip_grad`` 1.0), as megatron's optimizer computes
+    it: beside the loss, a second sign that two configs train the same model (a gradient counted twice doubles it,
+    which Adam's update would hide from the loss)."""
 
 
 @dataclass(kw_only=True)
@@ -283,6 +288,55 @@ def write_metrics(run_dir: Path, metrics: Metrics) -> Path:
 def failure_of_rank(run_dir: Path, rank: int) -> Path:
     """Where a rank's failure goes when another rank's is already ``failure.json``."""
     return Path(run_dir) / f"failure.rank{rank}.json"
+
+
+_NATIVE_CRASH = "native_crash.rank{}.txt"
+NATIVE_CRASH_MARK = "a native crash; every thread's stack is in"
+"""What every native crash's reason says (:attr:`NativeCrash.reason`): the test suite reruns on it."""
+
+
+def native_crash_file(run_dir: Path, rank: int) -> Path:
+    """Where a rank's faulthandler writes every thread's Python stack if a native crash (SIGSEGV, SIGABRT on a
+    corrupted heap or an uncaught C++ exception, SIGBUS) ends it: such a rank cannot write ``failure.json``.
+    The worker removes the file again when it ends without one."""
+    return Path(run_dir) / _NATIVE_CRASH.format(rank)
+
+
+@dataclass(frozen=True)
+class NativeCrash:
+    """A rank that died in native code, from its :func:`native_crash_file`."""
+
+    rank: int
+    path: Path
+    headline: str
+    """faulthandler's first line: ``Fatal Python error: Aborted``, ``... Segmentation fault``."""
+    at_ns: int
+    """When it was written (the file's modification time, ns): a peer's failure after it is its consequence."""
+
+    @property
+    def reason(self) -> str:
+        return f"rank {self.rank}: {self.headline} ({NATIVE_CRASH_MARK} {self.path.name})"
+
+
+def drop_empty_native_crash_files(run_dir: Path) -> None:
+    """Once a run's ranks are gone: the empty files of ranks that ended without a native crash but before they
+    could remove theirs (a SIGKILL, a SIGTERM, a timeout), so a run directory shows only real crashes."""
+    for path in Path(run_dir).glob(_NATIVE_CRASH.format("*")):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size == 0:
+                path.unlink()
+
+
+def first_native_crash(run_dir: Path) -> NativeCrash | None:
+    """The earliest native crash among the run's ranks, or None."""
+    crashes = []
+    prefix, suffix = _NATIVE_CRASH.split("{}")
+    for path in Path(run_dir).glob(_NATIVE_CRASH.format("*")):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            rank = int(path.name.removeprefix(prefix).removesuffix(suffix))
+            crashes.append(NativeCrash(rank, path, text.splitlines()[0], path.stat().st_mtime_ns))
+    return min(crashes, key=lambda crash: crash.at_ns, default=None)
 
 
 def write_failure(run_dir: Path, failure: Failure) -> Path:

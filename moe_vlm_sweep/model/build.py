@@ -8,6 +8,7 @@ configs). Needs ``initialize_model_parallel`` to have run; returns one chunk per
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -30,8 +31,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX
-from moe_vlm_sweep.model import linear_cross_entropy
+from moe_vlm_sweep.model import apex, linear_cross_entropy
 from moe_vlm_sweep.plan.plan import RunPlan
+
+logger = logging.getLogger(__name__)
 
 
 def decoder_config(plan: RunPlan) -> TransformerConfig:
@@ -80,7 +83,9 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         masked_softmax_fusion=fu["masked_softmax"],
         moe_permute_fusion=fu["moe_permute"],
         cross_entropy_loss_fusion=fu["cross_entropy"],
-        gradient_accumulation_fusion=fu["gradient_accumulation"],
+        # Without APEX only TE's layers fuse it (fuse_wgrad_accumulation_in_te_layers): megatron's flag would also
+        # reach the output layer, megatron's ColumnParallelLinear, whose constructor raises without APEX
+        gradient_accumulation_fusion=fu["gradient_accumulation"] and apex.wgrad_fusion_built(),
         bias_activation_fusion=fu["bias_activation"],
         moe_router_fusion=fu["moe_router"],
         cuda_graph_impl=cg.impl,
@@ -255,7 +260,33 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
         if plan.fusions["linear_cross_entropy"]:
             linear_cross_entropy.install(model.language_model)
         chunks.append(model)
+    if plan.fusions["gradient_accumulation"] and te and not apex.wgrad_fusion_built():
+        fused = fuse_wgrad_accumulation_in_te_layers(chunks)
+        logger.info(
+            "fusions.gradient_accumulation: TE's weight-gradient fusion in %d TE layers; megatron's own layers (the "
+            "output layer) accumulate unfused, as APEX's fused_weight_gradient_mlp_cuda is not importable",
+            fused,
+        )
     return chunks
+
+
+def fuse_wgrad_accumulation_in_te_layers(chunks: list[LLaVAModel]) -> int:
+    """Turns on TE's own weight-gradient accumulation fusion in every TE layer of ``chunks``; returns how many.
+
+    The same switch megatron-core's ``gradient_accumulation_fusion`` passes each TE layer at construction
+    (``fuse_wgrad_accumulation``), which TE reads at every forward: the layer's weight-gradient GEMM accumulates
+    into DDP's fp32 ``main_grad`` and sets ``grad_added_to_main_grad`` on every backward, and megatron's DDP
+    backward hook then adds no second copy (``distributed_data_parallel.py``). Megatron-FSDP has TE overwrite
+    ``main_grad`` instead (``overwrite_main_grad``), a path not checked here: the worker's preflight rejects it."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    fused = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
+                module.fuse_wgrad_accumulation = True
+                fused += 1
+    return fused
 
 
 def precision_scope(chunks: list[torch.nn.Module]) -> dict[str, Any]:

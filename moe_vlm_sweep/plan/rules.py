@@ -6,7 +6,7 @@ check's file and condition, appended to its message, so a user can look it up; e
 megatron-core would not refuse the config itself (memory, the machine or the run, the LLaVA model as it is built, or
 a knob megatron would silently ignore). ``tests/test_rules_vs_megatron.py`` holds the table against megatron-core's
 own checks on random configs. Rules are pure: what depends on the machine (TE or DeepEP installed, GPUs present,
-the cuDNN version) is the worker's preflight, next to it in ``train/machine_rules.py``.
+the cuDNN version) is the worker's preflight (``train/preflight.py``), its rules in ``train/machine_rules.py``.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from moe_vlm_sweep.launch.local import classify
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import RESULT_FILE
 from moe_vlm_sweep.launch.status import RunStatus
-from moe_vlm_sweep.metrics.schema import FAILURE_FILE, METRICS_FILE
+from moe_vlm_sweep.metrics.schema import FAILURE_FILE, METRICS_FILE, first_native_crash
 from moe_vlm_sweep.plan.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> RunResult
             continue
         if (run_dir / RESULT_FILE).exists():
             result = RunResult.read(run_dir)
-        elif (run_dir / METRICS_FILE).exists() or (run_dir / FAILURE_FILE).exists():
+        elif (run_dir / METRICS_FILE).exists() or (run_dir / FAILURE_FILE).exists() or first_native_crash(run_dir):
             plan = RunPlan.read(run_dir / "plan.json")
             result = classify(
                 run_dir, 0 if (run_dir / METRICS_FILE).exists() else 1, False, plan.run_config.train.timeout_s

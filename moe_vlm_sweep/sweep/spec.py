@@ -129,7 +129,7 @@ class SweepConf:
     part of the study's name: it permits trials, it does not change them."""
     verify: bool = True
     """After a confirmation, ``moe-vlm-sweep verify`` trains the winner and the study's first trial on the same
-    batches and compares their loss curves (``export/verify.py``); false skips it."""
+    batches and compares their loss and gradient-norm curves (``export/verify.py``); false skips it."""
     verify_steps: int = 30
     """Steps of each of verify's three runs (the reference, its re-split twin, the winner)."""
     early_stop: EarlyStopConf = field(default_factory=EarlyStopConf)

@@ -61,6 +61,8 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)
     """Measured steps only."""
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    """Per step, the gradients' global L2 norm before clipping, as megatron's optimizer computes it."""
     phases: list[str] = field(default_factory=list)
     batches: list[BatchTokens] = field(default_factory=list)
     """Per step, over the world (summed over data-parallel ranks): the real and padded tokens the step's FLOPs
@@ -233,6 +235,7 @@ class Trainer:
             self._finalize_grads,
         )
         self.forward_backward = get_forward_backward_func()
+        self._grad_norm: float | None = None
         self.image_dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
         self.loss_owner = (
             parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -246,6 +249,7 @@ class Trainer:
         return [mb.to(self.plan.device, self.image_dtype) for mb in self.source.step(step, self.plan.num_microbatches)]
 
     def _step(self, microbatches: list[MicroBatch]) -> None:
+        self._grad_norm = None  # a step that fails before its optimizer step (a failed census) records none
         iterators = [numbered(microbatches, model) for model in self.models]
         for model in self.models:
             model.zero_grad_buffer()
@@ -261,7 +265,7 @@ class Trainer:
             forward_only=False,
         )
         with self.marks.span("optimizer"):
-            self.optimizer.step()
+            _, self._grad_norm, _ = self.optimizer.step()
 
     def _finalize_grads(self, *args: Any, **kwargs: Any) -> None:
         """Megatron's ``finalize_model_grads_func`` callback (the data-parallel reduction and what follows),
@@ -282,7 +286,9 @@ class Trainer:
         return helper.capture()
 
     def _reduce(self, step: int, microbatches: list[MicroBatch], result: TrainResult) -> None:
-        """World-wide loss over real tokens and token counts (each DP rank counted once)."""
+        """World-wide loss over real tokens and token counts (each DP rank counted once), and the step's gradient
+        norm (already global: megatron's optimizer reduces it over every rank holding gradients)."""
+        result.grad_norms.append(None if self._grad_norm is None else float(self._grad_norm))
         loss = torch.zeros(2, dtype=torch.float64)
         if self.loss_owner:
             for reduced in self._losses:

@@ -1,5 +1,5 @@
 """The checks that need a fact of the machine a run lands on (the cuDNN runtime, flash-attn installed), which only
-the worker's preflight (``train/worker.py``) knows. The config-only rule table is ``plan/rules.py``; these take the
+the worker's preflight (``train/preflight.py``) knows. The config-only rule table is ``plan/rules.py``; these take the
 machine fact as an argument, so they stay pure and are tested like the rules, and ``check`` can say in advance
 what the preflight will require (:func:`preflight_notes`).
 """

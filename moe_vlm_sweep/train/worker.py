@@ -12,19 +12,18 @@ appends each measured step to ``progress.jsonl`` as it ends, for a sweep's early
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
-import importlib
-import importlib.util
 import json
 import logging
 import os
-import platform
 import resource
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from moe_vlm_sweep.metrics.schema import (
     Metrics,
     SavedActivations,
     StepTimes,
+    native_crash_file,
     write_failure,
     write_metrics,
 )
@@ -55,101 +55,10 @@ from moe_vlm_sweep.plan.memory import ELEMENT_BYTES, GIB, activation_parts, micr
 from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.train.contention import describe, gathered_contention, gathered_probe
 from moe_vlm_sweep.train.oom import is_out_of_memory, memory_state
+from moe_vlm_sweep.train.preflight import PreflightError, preflight
 from moe_vlm_sweep.train.steps import cv
 
 logger = logging.getLogger(__name__)
-
-GRADIENT_ACCUMULATION_NEEDS_APEX = (
-    "fusions.gradient_accumulation=true needs APEX's fused_weight_gradient_mlp_cuda extension, which is not "
-    "importable here. Transformer Engine would not need it: megatron-core passes the same "
-    "TransformerConfig.gradient_accumulation_fusion to every TE layer as fuse_wgrad_accumulation "
-    "(megatron/core/extensions/transformer_engine.py: TELinear, TELayerNormColumnParallelLinear, TEGroupedLinear), "
-    "and TE accumulates their weight gradients into DDP's main_grad with its own GEMM. But the model's output "
-    "layer is megatron's ColumnParallelLinear on Hopper (megatron/core/models/gpt/gpt_model.py: output_layer_cls is "
-    "TELMHeadColumnParallelLinear only with fp8_output_proj and the Blackwell-only mxfp8 recipe), whose constructor "
-    "raises without APEX (megatron/core/tensor_parallel/layers.py: ColumnParallelLinear.__init__, "
-    "`if config.gradient_accumulation_fusion and not _grad_accum_fusion_available: raise RuntimeError`). "
-    "Install APEX with --cpp_ext --cuda_ext, or set fusions.gradient_accumulation=false"
-)
-"""Why the fusion is rejected without APEX although TE layers would run it: one config flag for the whole model,
-and one layer that is not TE's."""
-
-
-class PreflightError(RuntimeError):
-    """The machine cannot run this plan as asked (failure class ``invalid``)."""
-
-
-def preflight(plan: RunPlan) -> None:
-    """Machine-dependent checks; each message names the knob, its value and what is missing."""
-    cfg, problems = plan.run_config, []
-    if plan.device == "cuda" and not torch.cuda.is_available():
-        problems.append(
-            f"hardware.device='cuda' needs a CUDA GPU, but torch.cuda.is_available() is False on "
-            f"{platform.node()} (torch {torch.__version__}, CUDA build {torch.version.cuda})"
-        )
-    if plan.device == "cpu" and cfg.cuda_graph.impl != "none":
-        problems.append(f"cuda_graph.impl={cfg.cuda_graph.impl!r} needs a CUDA GPU; hardware.device is 'cpu'")
-    needs: list[tuple[str, str, str | None]] = []
-    if plan.transformer_impl == "transformer_engine":
-        needs.append((f"train.transformer_impl={plan.transformer_impl!r}", "transformer_engine", None))
-    if plan.fusions["gradient_accumulation"] and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
-        problems.append(GRADIENT_ACCUMULATION_NEEDS_APEX)
-    if cfg.dispatcher.token_dispatcher == "flex":
-        attr = "HybridEPBuffer" if cfg.dispatcher.flex_backend == "hybridep" else None
-        needs.append(
-            (
-                f"dispatcher.token_dispatcher='flex' with dispatcher.flex_backend={cfg.dispatcher.flex_backend!r}",
-                "deep_ep",
-                attr,
-            )
-        )
-    for knob, package, attr in needs:
-        try:
-            module = importlib.import_module(package)
-            if attr is not None and not hasattr(module, attr):
-                problems.append(f"{knob} needs {package}.{attr}, which this {package} build lacks")
-        except ImportError as exc:
-            problems.append(f"{knob} needs the {package} package, which is not importable here: {exc}")
-    if plan.transformer_impl == "transformer_engine" and plan.device == "cuda" and not problems:
-        from transformer_engine.pytorch.utils import get_cudnn_version
-
-        from moe_vlm_sweep.train.machine_rules import graphs_unfuse_attention, packing_unfuses_attention
-
-        major, minor, patch = get_cudnn_version()
-        flash_attn = importlib.util.find_spec("flash_attn") is not None
-        for machine_rule in (graphs_unfuse_attention, packing_unfuses_attention):
-            if message := machine_rule(cfg, major * 10000 + minor * 100 + patch, flash_attn):
-                problems.append(message)
-        if plan.fp8_recipe and torch.cuda.is_available():
-            problems.extend(_fp8_support(plan.fp8_recipe))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan.layout.world_size:
-        problems.append(
-            f"the plan's layout needs world_size={plan.layout.world_size} processes "
-            f"(launcher.nproc_per_node * launcher.nnodes), but WORLD_SIZE={world}"
-        )
-    if problems:
-        raise PreflightError("; ".join(problems))
-
-
-def _fp8_support(fp8_recipe: str) -> list[str]:
-    """TE's own verdict on this GPU and CUDA for the recipe (``transformer_engine.pytorch.is_fp8_available``,
-    ``is_fp8_block_scaling_available``): FP8 needs compute capability 9.0 (or 8.9 with CUDA 12.1), block scaling
-    also CUDA 12.9."""
-    import transformer_engine.pytorch as te
-
-    checks = [te.is_fp8_available]
-    if fp8_recipe == "blockwise":
-        checks.append(te.is_fp8_block_scaling_available)
-    problems = []
-    for check in checks:
-        ok, reason = check(return_reason=True)
-        if not ok:
-            problems.append(
-                f"train.precision=fp8 with train.fp8_recipe={fp8_recipe}: Transformer Engine refuses it on "
-                f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}): {reason}"
-            )
-    return problems
 
 
 def init_distributed(plan: RunPlan) -> None:
@@ -338,7 +247,7 @@ def build_metrics(
         peak_memory_gib=memory[0],
         peak_memory_source=memory[1],
         predicted_peak_memory_gib=plan.predicted_peak_memory_gib,
-        loss=Loss(values=result.losses, phases=result.phases),
+        loss=Loss(values=result.losses, phases=result.phases, grad_norms=result.grad_norms),
         cuda_alloc_conf=os.environ.get(ALLOC_CONF_ENVS[0]),
         wall_s={**(startup_s or {}), **result.wall_s},
         warmup_step_time_s=result.warmup_step_times,
@@ -513,18 +422,43 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[1] == SERVE_FLAG:
         return serve([*PRELOAD, *argv[2:]], main)
     configure_logging(prefix="[worker] ")
-    # A native crash (SIGSEGV, SIGABRT on a corrupted heap, SIGBUS) ends the worker without a Python exception,
-    # so failure.json cannot say where: every thread's Python stack goes to the worker's log instead.
-    faulthandler.enable(all_threads=True)
     watch_launcher()
     if len(argv) != 2:
         say("usage: python -m moe_vlm_sweep.train.worker RUN_DIR", err=True)
         return 2
     run_dir = Path(argv[1])
+    if not run_dir.is_dir():
+        say(f"no run directory {run_dir}", err=True)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    with _native_crash_log(native_crash_file(run_dir, rank)):
+        return _run_and_record(run_dir, rank)
+
+
+@contextlib.contextmanager
+def _native_crash_log(path: Path) -> Iterator[None]:
+    """A native crash (SIGSEGV, SIGABRT on a corrupted heap or an uncaught C++ exception) ends the rank without
+    a Python exception, so failure.json cannot say where: faulthandler writes every thread's Python stack to
+    ``path``, one file per rank, so the launcher can name the rank that died first (its peers then fail on a
+    closed connection, which is not the cause). A rank that returns removes its empty file; the launcher removes
+    those of ranks killed by a signal faulthandler does not catch (SIGTERM, SIGKILL). After the run, a crash in
+    teardown (a library's destructor, atexit) still leaves its stacks, in the worker's log."""
+    with path.open("w") as log:
+        faulthandler.enable(log, all_threads=True)
+        try:
+            yield
+        finally:
+            faulthandler.enable(sys.stderr, all_threads=True)
+    with contextlib.suppress(FileNotFoundError):  # the launcher may have dropped it (its host gone)
+        if path.stat().st_size == 0:
+            path.unlink()
+
+
+def _run_and_record(run_dir: Path, rank: int) -> int:
+    """Train ``run_dir``'s plan; a Python exception becomes this rank's failure record and exit status 1."""
     try:
         run(run_dir)
     except BaseException as exc:
-        rank = int(os.environ.get("RANK", "0"))
         tb = traceback.format_exc()
         logger.error("rank %d failed:\n%s", rank, tb.rstrip())
         memory = memory_state()  # the failed step's tensors are still alive: the traceback holds their frames
