@@ -11,6 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from conftest import why_failed
 from omegaconf import OmegaConf
 from sweep_testing import FAST_TRAIN, cli, exported_experiment, private_conf
 
@@ -36,6 +37,15 @@ def _study(storage: str | None, trials: list[tuple[list[str], float, str]], *, m
             optuna.trial.create_trial(value=value, user_attrs={"overrides": overrides, "data_realism": realism})
         )
     return study
+
+
+def _failed_repeats(cwd: Path, repeats: list[dict]) -> str:
+    """Why a candidate's re-runs failed, for an assertion message: each one's status and its run's account."""
+    return "\n".join(
+        f"{r['status']}: {why_failed(cwd / r['run_dir'] if r['run_dir'] else None)}"
+        for r in repeats
+        if r["status"] != "ok"
+    )
 
 
 def test_mixed_realism_is_refused_before_anything_runs(tmp_path):
@@ -107,7 +117,7 @@ def test_confirm_reruns_the_top_trials_and_exports_the_median_winner(tmp_path, m
     assert sorted(by_trial) == [0, 1, 2] and all(len(c["repeats"]) == 2 for c in by_trial.values())
     healthy = [by_trial[0], by_trial[1]]
     for candidate in healthy:
-        assert candidate["ok"]
+        assert candidate["ok"], _failed_repeats(tmp_path, candidate["repeats"])
         for repeat in candidate["repeats"]:
             run_dir = tmp_path / repeat["run_dir"]
             assert run_dir.parent == sweep_dir / "confirm" / "runs" and repeat["status"] == "ok"
@@ -166,14 +176,16 @@ def test_an_interrupted_confirmation_goes_on_from_its_finished_reruns(tmp_path):
     assert not (tmp_path / "confirm").exists() and not (tmp_path / "best").exists()
 
     first = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=1).candidates[0].repeats[0]
-    assert first.ok
+    assert first.ok, why_failed(Path(first.run_dir) if first.run_dir else None)
     partial = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2, budget=TimeBudget(30.0), progress=lines.append)
     assert not partial.complete and [r.run_dir for r in partial.candidates[0].repeats] == [first.run_dir]
     assert lines == [f"[confirm 1/2] trial #0 -> {first.values[0]:.4g} (finished by an earlier confirmation)"]
 
     done = confirm(study, sweep_dir=tmp_path, top_k=1, repeats=2)
     repeats = done.candidates[0].repeats
-    assert done.complete and done.winner is done.candidates[0] and all(r.ok for r in repeats)
+    assert done.complete and done.winner is done.candidates[0] and all(r.ok for r in repeats), [
+        why_failed(Path(r.run_dir) if r.run_dir else None) for r in repeats if not r.ok
+    ]
     assert repeats[0].run_dir == first.run_dir != repeats[1].run_dir and repeats[0].values == first.values
     record = json.loads((tmp_path / "best" / "confirm.json").read_text())
     assert [r["run_dir"] for r in record["candidates"][0]["repeats"]] == [r.run_dir for r in repeats]
