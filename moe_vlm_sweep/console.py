@@ -20,6 +20,12 @@ def say(line: str, *, err: bool = False) -> None:
     print(line, file=sys.stderr if err else sys.stdout, flush=True)
 
 
+def help_summary(doc: str | None) -> str:
+    """A command's ``--help`` description: its module docstring's first paragraph on one line (argparse wraps
+    it again), so a first sentence that runs over two lines is not cut off."""
+    return " ".join((doc or "").split("\n\n", 1)[0].split())
+
+
 def configure_logging(prefix: str = "") -> None:
     """One stderr handler for a process Hydra does not configure; ``force`` replaces what a forked warm host left
     behind, so each trial's records reach its own log. ``prefix`` names the process in a shared log."""

@@ -76,10 +76,13 @@ def test_metric_fields_follow_the_metrics_dataclass():
         check_objective(ObjectiveConf(metric="step_time_s.medain"))
 
 
-@pytest.mark.parametrize("command", ["check", "run", "best", "report", "ui"])
+@pytest.mark.parametrize("command", ["check", "run", "best", "report", "ui", "verify"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exited:  # argparse's --help exits 0 itself
         code = main([command, "--help"])
         raise SystemExit(code)
     assert exited.value.code == 0
-    assert f"moe-vlm-sweep {command}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"moe-vlm-sweep {command}" in out
+    if command == "verify":  # a first sentence over two docstring lines reads whole
+        assert "does the candidate train the same model as its reference?" in " ".join(out.split())

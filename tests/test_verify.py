@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moe_vlm_sweep.cli import main
-from moe_vlm_sweep.export.verify import HEADROOM, RESOLUTION, check_curve, compare
+from moe_vlm_sweep.export.verify import HEADROOM, RESOLUTION, check_curve, compare, record
 from moe_vlm_sweep.metrics.schema import Loss
 
 REF = [6.0, 5.9, 5.7, 5.6]
@@ -49,6 +49,9 @@ def test_a_gradient_counted_twice_fails_though_the_loss_agrees():
     runs["candidate"] = _loss(REF, [*norms[:2], float("nan"), norms[3]])  # a NaN fails, wherever it is
     nan = compare(runs)
     assert not nan.passed and nan.grad_norm is not None and nan.grad_norm.worst_step == 2
+    written = json.loads(json.dumps(record(nan, ["model=tiny"], ["model=tiny"]), allow_nan=False))  # strict JSON
+    assert written["status"] == "fail" and written["grad_norm"]["candidate"][2] is None
+    assert written["grad_norm"]["worst_ratio"] is None and written["loss"]["worst_ratio"] == 0
 
 
 def test_steps_without_a_gradient_norm_are_left_out_of_its_check():

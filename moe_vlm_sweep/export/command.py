@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_vlm_sweep.config.compose import exports_dir
-from moe_vlm_sweep.console import say
+from moe_vlm_sweep.console import help_summary, say
 from moe_vlm_sweep.export import recipes
 from moe_vlm_sweep.export.best import ExportError, export, realism_of
 from moe_vlm_sweep.export.confirm import CONFIRM_FILE, confirm
@@ -26,7 +26,7 @@ from moe_vlm_sweep.sweep.study import StorageError
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moe-vlm-sweep best", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moe-vlm-sweep best", description=help_summary(__doc__))
     add_study_arguments(parser)
     parser.add_argument("--top", type=int, default=3, help="how many trials to export (default: 3)")
     parser.add_argument(

@@ -20,7 +20,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from moe_vlm_sweep.console import say
+from moe_vlm_sweep.console import help_summary, say
 from moe_vlm_sweep.export.best import ExportError, ranked
 from moe_vlm_sweep.launch.status import RunStatus
 from moe_vlm_sweep.metrics.schema import read_metrics
@@ -202,7 +202,7 @@ def main(argv: Sequence[str]) -> int:
     from moe_vlm_sweep.export.study_args import add_study_arguments, load_study
     from moe_vlm_sweep.tracking.mlflow_sink import default_uri, log_report
 
-    parser = argparse.ArgumentParser(prog="moe-vlm-sweep report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moe-vlm-sweep report", description=help_summary(__doc__))
     add_study_arguments(parser)
     parser.add_argument("--top", type=int, default=5, help="trials in the top configs table (default: 5)")
     parser.add_argument("--experiment", default="moe-vlm-sweep", help="MLflow experiment (tracking.experiment)")

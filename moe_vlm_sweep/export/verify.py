@@ -192,6 +192,31 @@ def compare(runs: Mapping[str, Loss]) -> Verdict:
     return Verdict(status="pass" if passed else "fail", steps=len(loss.steps), loss=loss, grad_norm=grad_norm)
 
 
+def record(verdict: Verdict, reference: Sequence[str], candidate: Sequence[str]) -> dict[str, Any]:
+    """``verify.json``: the verdict, its tolerance's constants and both configs. Strict JSON, so any reader (jq,
+    a browser) takes it: a value that is not a finite number (a NaN loss, the ratio over a zero tolerance) is
+    ``null``; the status already says whether the check passed."""
+    return _finite_or_null(
+        {
+            "schema_version": VERIFY_SCHEMA_VERSION,
+            **asdict(verdict),
+            "headroom": HEADROOM,
+            "resolution": RESOLUTION,
+            "overrides": {"reference": list(reference), "candidate": list(candidate)},
+        }
+    )
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(item) for item in value]
+    return value
+
+
 def run_overrides(overrides: Sequence[str], steps: int) -> list[str]:
     """The overrides of a verification run: ``steps`` steps, every one recorded (no warm-up, census, profiling)."""
     return [
@@ -259,15 +284,6 @@ def verify(
     verdict.recipes = {"reference": ref_plan[0].recipe, "candidate": cand_plan[0].recipe}
     verdict.run_dirs = {name: r.run_dir for name, r in runs.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(
-        out_dir / VERIFY_FILE,
-        {
-            "schema_version": VERIFY_SCHEMA_VERSION,
-            **asdict(verdict),
-            "headroom": HEADROOM,
-            "resolution": RESOLUTION,
-            "overrides": {"reference": list(reference), "candidate": list(candidate)},
-        },
-    )
+    write_json_atomic(out_dir / VERIFY_FILE, record(verdict, reference, candidate))
     log.info("verify %s: %s", verdict.status, json.dumps(verdict.run_dirs))
     return verdict

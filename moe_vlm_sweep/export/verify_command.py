@@ -6,8 +6,8 @@ same model as its reference? (``export/verify.py`` says how the loss and gradien
     moe-vlm-sweep verify STUDY --against OVERRIDES  the same candidate against the named config
     moe-vlm-sweep verify OVERRIDES --against OVERRIDES
 
-Exit 0: the candidate's loss stays within the tolerance at every step; 1: it does not, or a run failed;
-2: invalid input.
+Exit 0: the candidate's loss and gradient norm stay within their tolerances at every step; 1: they do not, or a run
+failed; 2: invalid input.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import optuna
 import yaml
 
-from moe_vlm_sweep.console import say
+from moe_vlm_sweep.console import help_summary, say
 from moe_vlm_sweep.export.best import ExportError, ranked
 from moe_vlm_sweep.export.recipes import RecipeError
 from moe_vlm_sweep.export.study_args import add_study_arguments, load_study
@@ -46,7 +46,7 @@ def study_pair(study: optuna.Study, sweep_dir: Path) -> tuple[int, list[str], li
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moe-vlm-sweep verify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moe-vlm-sweep verify", description=help_summary(__doc__))
     parser.add_argument("target", nargs="*", help="a study name, or the candidate's overrides")
     parser.add_argument("--against", nargs="+", metavar="OVERRIDE", help="the reference's overrides")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"steps per run (default {DEFAULT_STEPS})")

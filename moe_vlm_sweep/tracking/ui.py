@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_vlm_sweep.console import say
+from moe_vlm_sweep.console import help_summary, say
 from moe_vlm_sweep.tracking.mlflow_sink import default_artifact_root, default_uri
 
 
@@ -38,7 +38,7 @@ def ui_command(outputs_dir: str | Path, *, host: str, port: int, tracking_uri: s
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moe-vlm-sweep ui", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moe-vlm-sweep ui", description=help_summary(__doc__))
     parser.add_argument("--outputs", default="outputs", help="outputs folder holding mlflow.db (default: outputs)")
     parser.add_argument("--tracking-uri", default=None, help="another MLflow store instead of the default")
     parser.add_argument("--host", default="127.0.0.1")
