@@ -66,7 +66,7 @@ def check(overrides: Sequence[str]) -> int:
     planned = _plan(overrides)
     if isinstance(planned, int):
         return planned
-    say(describe(planned[0], preflight_notes(planned[0].run_config)))
+    say(describe(planned[0], preflight_notes(planned[0])))
     say("valid")
     return 0
 

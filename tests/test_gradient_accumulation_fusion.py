@@ -56,6 +56,25 @@ def test_preflight_lets_te_layers_fuse_it_without_apex_in_3d_only():
     assert GRADIENT_ACCUMULATION_TE_UNDER_FSDP in _preflight_problems([*common, "parallel=fsdp"])
 
 
+@pytest.mark.parametrize(
+    ("overrides", "note"),
+    [
+        (["parallel=3d"], "only TE's layers fuse it and the output layer accumulates unfused"),
+        (["parallel=fsdp"], "needs APEX's fused_weight_gradient_mlp_cuda where it runs"),
+        (["parallel=3d", "train.transformer_impl=local"], "train.transformer_impl='local'"),
+        (["parallel=3d", "fusions.gradient_accumulation=false"], None),
+    ],
+)
+def test_check_says_in_advance_what_the_fusion_will_need(overrides, note, capsys):
+    """``check`` runs without the GPU machine, so it cannot know whether APEX is built there: it says what the
+    worker's preflight will do either way, on the fusions row."""
+    from moe_vlm_sweep.cli import main
+
+    assert main(["check", "hardware=h100", "fusions.gradient_accumulation=true", *overrides]) == 0
+    fusions_row = next(line for line in capsys.readouterr().out.splitlines() if "fusions" in line.split(":")[0])
+    assert (note in fusions_row) if note else "gradient_accumulation:" not in fusions_row
+
+
 def test_the_output_layer_is_megatrons_column_parallel_linear_on_hopper():
     """What the refusal says of GPTModel: its output layer is TE's only with the Blackwell mxfp8 output projection."""
     from megatron.core.models.gpt.gpt_model import GPTModel

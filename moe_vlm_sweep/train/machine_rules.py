@@ -10,6 +10,7 @@ import math
 
 from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.plan.layout import seq_padding_factor, sharded_seq_length
+from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.plan.rules import uses_te
 
 
@@ -87,12 +88,23 @@ def packing_unfuses_attention(cfg: RunConfig, cudnn_version: int, flash_attn: bo
     )
 
 
-def preflight_notes(cfg: RunConfig) -> dict[str, str]:
+def preflight_notes(plan: RunPlan) -> dict[str, str]:
     """Per row of ``plan.describe``, what the worker's preflight will require of the machine: ``check`` runs
-    without the GPU and cannot know its cuDNN."""
+    without the GPU and cannot know its cuDNN, nor whether APEX is built there."""
+    cfg, notes = plan.run_config, {}
     if graphs_unfuse_attention(cfg, CUDNN_GRAPHED_ATTENTION_FIX - 1):
-        return {
-            "cuda_graph": "needs cuDNN >= 9.15.1 where it runs, since the sequence is not a multiple of 128 (the "
-            "worker's preflight checks)"
-        }
-    return {}
+        notes["cuda_graph"] = (
+            "needs cuDNN >= 9.15.1 where it runs, since the sequence is not a multiple of 128 (the worker's "
+            "preflight checks)"
+        )
+    if plan.fusions["gradient_accumulation"]:
+        te_in_3d = plan.transformer_impl == "transformer_engine" and cfg.parallel.strategy == "3d"
+        notes["fusions"] = (
+            "gradient_accumulation: where APEX's fused_weight_gradient_mlp_cuda is not built, only TE's layers fuse "
+            "it and the output layer accumulates unfused"
+            if te_in_3d
+            else "gradient_accumulation needs APEX's fused_weight_gradient_mlp_cuda where it runs, with "
+            f"train.transformer_impl={plan.transformer_impl!r} and parallel={cfg.parallel.strategy} (the worker's "
+            "preflight checks)"
+        )
+    return notes
