@@ -130,6 +130,21 @@ def test_the_first_failure_is_the_cause_whether_native_or_python(tmp_path):
     assert classify(tmp_path, 1, False, 60.0).reason == "RuntimeError: Connection reset by peer"
 
 
+def test_a_timeout_names_the_rank_that_died_in_native_code_while_its_peers_hung(tmp_path):
+    native_crash_file(tmp_path, 2).write_text("Fatal Python error: Segmentation fault\n")
+    native_crash_file(tmp_path, 1).write_text("")
+    (tmp_path / "native_crash.rank1.txt.orig").write_text("Fatal Python error: Aborted\n")  # a copy: no rank's
+    (tmp_path / "native_crash.rankX.txt").write_text("Fatal Python error: Aborted\n")
+    result = classify(tmp_path, None, True, 60.0)
+    assert result.status == RunStatus.TIMEOUT
+    assert result.reason == (
+        "no result within train.timeout_s=60 s; rank 2: Fatal Python error: Segmentation fault "
+        "(a native crash; every thread's stack is in native_crash.rank2.txt)"
+    )
+    native_crash_file(tmp_path, 2).unlink()
+    assert classify(tmp_path, None, True, 60.0).reason == "no result within train.timeout_s=60 s"
+
+
 def test_result_json_round_trips_typed_and_reads_earlier_empty_parts(tmp_path):
     RunResult(status="ok", run_dir=str(tmp_path), metrics=sample_metrics()).write(tmp_path)
     result = RunResult.read(tmp_path)

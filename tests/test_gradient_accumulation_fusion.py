@@ -10,11 +10,11 @@ import inspect
 import pytest
 
 from moe_vlm_sweep.config.compose import compose_run_config
-from moe_vlm_sweep.model import apex
+from moe_vlm_sweep.model import wgrad_fusion
 from moe_vlm_sweep.plan.plan import make_plan
 
 needs_no_apex = pytest.mark.skipif(
-    apex.wgrad_fusion_built(), reason="APEX's fused_weight_gradient_mlp_cuda is installed here, so it is not rejected"
+    wgrad_fusion.apex_built(), reason="APEX's fused_weight_gradient_mlp_cuda is installed here, so it is not rejected"
 )
 
 

@@ -258,3 +258,36 @@ def test_a_trial_another_host_failed_first_is_not_told_again(tmp_path, caplog):
     waiting = optuna.trial.Trial(study, study.get_trials(states=(TrialState.WAITING,))[0]._trial_id)
     with pytest.raises(ValueError, match="WAITING"):
         sweeper._tell_unless_finished(study, waiting, lost)
+
+
+def test_a_run_without_result_json_is_read_as_its_launcher_would_have(tmp_path):
+    """The sweep died before the launcher wrote result.json: the worker's metrics.json makes the run OK, unless a
+    rank died in native code after it (in teardown), which the launcher, seeing that rank's exit status, calls a
+    crash; a crash file alone is a finished (crashed) run too."""
+    from contract_samples import sample_metrics
+
+    from moe_vlm_sweep.config.compose import compose_run_config
+    from moe_vlm_sweep.launch.run_dir import RESULT_FILE, new_run_dir
+    from moe_vlm_sweep.launch.status import RunStatus
+    from moe_vlm_sweep.metrics.schema import native_crash_file, write_metrics
+    from moe_vlm_sweep.plan.plan import make_plan
+
+    plan = make_plan(compose_run_config(["model=tiny", "hardware=cpu"]))
+    trial = optuna.trial.create_trial(value=1.0, user_attrs={"overrides": plan.overrides})
+    trial.number = 3
+    run_dir = new_run_dir(tmp_path, "job3")
+    plan.write(run_dir / "plan.json")
+    assert ledger.finished_run(trial, tmp_path / "runs") is None  # nothing written yet: not finished
+
+    crash = native_crash_file(run_dir, 1)
+    crash.write_text("Fatal Python error: Segmentation fault\n")
+    crashed = ledger.finished_run(trial, tmp_path / "runs")
+    assert crashed is not None and crashed.status == RunStatus.CRASH and "rank 1" in crashed.reason
+
+    write_metrics(run_dir, sample_metrics())
+    for crash_text, status in (("Fatal Python error: Aborted\n", RunStatus.CRASH), ("", RunStatus.OK)):
+        (run_dir / RESULT_FILE).unlink()
+        crash.write_text(crash_text)
+        result = ledger.finished_run(trial, tmp_path / "runs")
+        assert result is not None and result.status == status, result
+        assert (run_dir / RESULT_FILE).exists() and result.run_dir == str(run_dir)

@@ -52,6 +52,11 @@ def test_a_gradient_counted_twice_fails_though_the_loss_agrees():
     written = json.loads(json.dumps(record(nan, ["model=tiny"], ["model=tiny"]), allow_nan=False))  # strict JSON
     assert written["status"] == "fail" and written["grad_norm"]["candidate"][2] is None
     assert written["grad_norm"]["worst_ratio"] is None and written["loss"]["worst_ratio"] == 0
+    assert "largest gradient norm deviation inf at step 2" in nan.summary()
+    runs["candidate"] = _loss(REF, norms)
+    runs["perturbed"] = _loss(REF, [*norms[:3], float("nan")])  # a reference that diverged measures no tolerance
+    diverged = compare(runs)
+    assert not diverged.passed and diverged.grad_norm is not None and diverged.grad_norm.worst_step == 3
 
 
 def test_steps_without_a_gradient_norm_are_left_out_of_its_check():

@@ -154,8 +154,11 @@ def check_curve(
         envelope = max(envelope, abs(pert - ref))
         tolerance.append(HEADROOM * envelope + RESOLUTION * abs(ref))
         ratio = abs(cand - ref) / tolerance[-1] if tolerance[-1] else (0.0 if cand == ref else math.inf)
-        ratios.append(ratio if math.isfinite(ratio) else math.inf)  # a NaN in any run fails, never hides
-    deviations = [abs(c - r) for r, c in zip(reference, candidate)]
+        # a value that is not finite in any of the three runs fails the step: max() and the envelope would
+        # otherwise pass over a NaN
+        finite = all(math.isfinite(v) for v in (ref, pert, cand, ratio))
+        ratios.append(ratio if finite else math.inf)
+    deviations = [d if math.isfinite(d := abs(c - r)) else math.inf for r, c in zip(reference, candidate)]
     top = max(range(len(deviations)), key=deviations.__getitem__)
     worst = max(range(len(ratios)), key=ratios.__getitem__)
     return CurveCheck(

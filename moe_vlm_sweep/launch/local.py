@@ -161,16 +161,16 @@ def classify(
     host_gone: str | None = None,
 ) -> RunResult:
     failure, unreadable_failure = _read(read_failure, run_dir)
+    native = first_native_crash(run_dir)
     if stopped is not None:
         return RunResult(status=RunStatus.PRUNED, reason=stopped, returncode=returncode, failure=failure)
-    if timed_out:
+    if timed_out:  # the peers of a rank that died in native code may hang until the timeout: it says which
         return RunResult(
             status=RunStatus.TIMEOUT,
-            reason=f"no result within train.timeout_s={timeout_s:g} s",
+            reason=f"no result within train.timeout_s={timeout_s:g} s" + (f"; {native.reason}" if native else ""),
             returncode=returncode,
             failure=failure,
         )
-    native = first_native_crash(run_dir)
     # A tie goes to failure.json: a peer's abort follows a Python failure within the clock's tick, while a Python
     # failure caused by a crash needs a timed-out or reset connection, a traceback and a file written.
     if failure is not None and (native is None or native.at_ns >= (run_dir / FAILURE_FILE).stat().st_mtime_ns):

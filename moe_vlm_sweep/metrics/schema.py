@@ -332,11 +332,11 @@ def first_native_crash(run_dir: Path) -> NativeCrash | None:
     crashes = []
     prefix, suffix = _NATIVE_CRASH.split("{}")
     for path in Path(run_dir).glob(_NATIVE_CRASH.format("*")):
-        text = path.read_text(errors="replace").strip()
+        rank = path.name.removeprefix(prefix).removesuffix(suffix)
+        text = path.read_text(errors="replace").strip() if rank.isdigit() else ""  # not a copy a person left
         if text:
-            rank = int(path.name.removeprefix(prefix).removesuffix(suffix))
-            crashes.append(NativeCrash(rank, path, text.splitlines()[0], path.stat().st_mtime_ns))
-    return min(crashes, key=lambda crash: crash.at_ns, default=None)
+            crashes.append(NativeCrash(int(rank), path, text.splitlines()[0], path.stat().st_mtime_ns))
+    return min(crashes, key=lambda crash: (crash.at_ns, crash.rank), default=None)
 
 
 def write_failure(run_dir: Path, failure: Failure) -> Path:

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_vlm_sweep.config.schema import RunConfig
 from moe_vlm_sweep.data.batch import IMAGE_TOKEN_INDEX
-from moe_vlm_sweep.model import apex, linear_cross_entropy
+from moe_vlm_sweep.model import linear_cross_entropy, wgrad_fusion
 from moe_vlm_sweep.plan.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def decoder_config(plan: RunPlan) -> TransformerConfig:
         cross_entropy_loss_fusion=fu["cross_entropy"],
         # Without APEX only TE's layers fuse it (fuse_wgrad_accumulation_in_te_layers): megatron's flag would also
         # reach the output layer, megatron's ColumnParallelLinear, whose constructor raises without APEX
-        gradient_accumulation_fusion=fu["gradient_accumulation"] and apex.wgrad_fusion_built(),
+        gradient_accumulation_fusion=wgrad_fusion.fused_layers(plan, wgrad_fusion.apex_built()) == "every_layer",
         bias_activation_fusion=fu["bias_activation"],
         moe_router_fusion=fu["moe_router"],
         cuda_graph_impl=cg.impl,
@@ -260,10 +260,10 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
         if plan.fusions["linear_cross_entropy"]:
             linear_cross_entropy.install(model.language_model)
         chunks.append(model)
-    if plan.fusions["gradient_accumulation"] and te and not apex.wgrad_fusion_built():
+    if wgrad_fusion.fused_layers(plan, wgrad_fusion.apex_built()) == "te_layers":
         fused = fuse_wgrad_accumulation_in_te_layers(chunks)
         logger.info(
-            "fusions.gradient_accumulation: TE's weight-gradient fusion in %d TE layers; megatron's own layers (the "
+            "fusions.gradient_accumulation: TE's weight-gradient fusion in %d trainable TE layers; megatron's own layers (the "
             "output layer) accumulate unfused, as APEX's fused_weight_gradient_mlp_cuda is not importable",
             fused,
         )
@@ -271,7 +271,8 @@ def build_model_chunks(plan: RunPlan) -> list[LLaVAModel]:
 
 
 def fuse_wgrad_accumulation_in_te_layers(chunks: list[LLaVAModel]) -> int:
-    """Turns on TE's own weight-gradient accumulation fusion in every TE layer of ``chunks``; returns how many.
+    """Turns on TE's own weight-gradient accumulation fusion in every TE layer of ``chunks`` with a trainable
+    weight (a frozen one has no gradient to accumulate); returns how many.
 
     The same switch megatron-core's ``gradient_accumulation_fusion`` passes each TE layer at construction
     (``fuse_wgrad_accumulation``), which TE reads at every forward: the layer's weight-gradient GEMM accumulates
@@ -283,7 +284,12 @@ def fuse_wgrad_accumulation_in_te_layers(chunks: list[LLaVAModel]) -> int:
     fused = 0
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
+            trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+            if (
+                isinstance(module, TransformerEngineBaseModule)
+                and hasattr(module, "fuse_wgrad_accumulation")
+                and trainable
+            ):
                 module.fuse_wgrad_accumulation = True
                 fused += 1
     return fused

@@ -293,8 +293,9 @@ def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> RunResult
 
     The task names a trial's run directory ``<time>-job<number>-<random>`` (``sweep/app.py``); the one of this
     trial is the one made after the trial started whose plan ran the trial's overrides. Its ``result.json``
-    is the launcher's verdict; without it (the sweep died before writing it) the worker's own ``metrics.json``
-    or ``failure.json`` is classified as the launcher would have, and ``result.json`` written."""
+    is the launcher's verdict; without it (the sweep died before writing it) the worker's own ``metrics.json``,
+    ``failure.json`` or a rank's native crash file is classified as the launcher would have, and ``result.json``
+    written."""
     started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
     overrides = trial.user_attrs.get("overrides")
     if overrides is None or not runs_dir.is_dir():
@@ -309,9 +310,10 @@ def finished_run(trial: FrozenTrial | optuna.Trial, runs_dir: Path) -> RunResult
             result = RunResult.read(run_dir)
         elif (run_dir / METRICS_FILE).exists() or (run_dir / FAILURE_FILE).exists() or first_native_crash(run_dir):
             plan = RunPlan.read(run_dir / "plan.json")
-            result = classify(
-                run_dir, 0 if (run_dir / METRICS_FILE).exists() else 1, False, plan.run_config.train.timeout_s
-            )
+            # the exit status the launcher saw: 0 where metrics.json was written and no rank died in native code
+            # after it (in teardown), which the launcher calls a crash too
+            exited_0 = (run_dir / METRICS_FILE).exists() and first_native_crash(run_dir) is None
+            result = classify(run_dir, 0 if exited_0 else 1, False, plan.run_config.train.timeout_s)
             result.run_dir = str(run_dir)
             result.write(run_dir)
         else:

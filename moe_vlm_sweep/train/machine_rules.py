@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from moe_vlm_sweep.config.schema import RunConfig
+from moe_vlm_sweep.model import wgrad_fusion
 from moe_vlm_sweep.plan.layout import seq_padding_factor, sharded_seq_length
 from moe_vlm_sweep.plan.plan import RunPlan
 from moe_vlm_sweep.plan.rules import uses_te
@@ -97,13 +98,13 @@ def preflight_notes(plan: RunPlan) -> dict[str, str]:
             "needs cuDNN >= 9.15.1 where it runs, since the sequence is not a multiple of 128 (the worker's "
             "preflight checks)"
         )
-    if plan.fusions["gradient_accumulation"]:
-        te_in_3d = plan.transformer_impl == "transformer_engine" and cfg.parallel.strategy == "3d"
+    fused = wgrad_fusion.fused_layers(plan, apex=False)
+    if fused != "off":
         notes["fusions"] = (
             "gradient_accumulation: where APEX's fused_weight_gradient_mlp_cuda is not built, only TE's layers fuse "
             "it and the output layer accumulates unfused"
-            if te_in_3d
-            else "gradient_accumulation needs APEX's fused_weight_gradient_mlp_cuda where it runs, with "
+            if fused == "te_layers"
+            else "gradient_accumulation: needs APEX's fused_weight_gradient_mlp_cuda where it runs, with "
             f"train.transformer_impl={plan.transformer_impl!r} and parallel={cfg.parallel.strategy} (the worker's "
             "preflight checks)"
         )

@@ -13,7 +13,7 @@ import platform
 
 import torch
 
-from moe_vlm_sweep.model import apex
+from moe_vlm_sweep.model import wgrad_fusion
 from moe_vlm_sweep.plan.plan import RunPlan
 
 GRADIENT_ACCUMULATION_NEEDS_APEX = (
@@ -51,11 +51,9 @@ def preflight(plan: RunPlan) -> None:
     needs: list[tuple[str, str, str | None]] = []
     if plan.transformer_impl == "transformer_engine":
         needs.append((f"train.transformer_impl={plan.transformer_impl!r}", "transformer_engine", None))
-    if plan.fusions["gradient_accumulation"] and not apex.wgrad_fusion_built():
-        if plan.transformer_impl != "transformer_engine":
-            problems.append(GRADIENT_ACCUMULATION_NEEDS_APEX)
-        elif cfg.parallel.strategy == "fsdp":
-            problems.append(GRADIENT_ACCUMULATION_TE_UNDER_FSDP)
+    if wgrad_fusion.fused_layers(plan, wgrad_fusion.apex_built()) == "needs_apex":
+        te_layers = plan.transformer_impl == "transformer_engine"
+        problems.append(GRADIENT_ACCUMULATION_TE_UNDER_FSDP if te_layers else GRADIENT_ACCUMULATION_NEEDS_APEX)
     if cfg.dispatcher.token_dispatcher == "flex":
         attr = "HybridEPBuffer" if cfg.dispatcher.flex_backend == "hybridep" else None
         needs.append(
