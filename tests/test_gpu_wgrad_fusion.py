@@ -42,7 +42,9 @@ def test_te_honours_the_switch_set_after_construction():
         assert fused.weight.grad_added_to_main_grad
         expected += plain.weight.grad.float()
         plain.weight.grad = None
-    torch.testing.assert_close(fused.weight.main_grad, expected, rtol=2e-2, atol=1e-2)
+    # the plain layer returns each weight gradient in bf16 (8 bits of mantissa) before the fp32 sum, the fused one
+    # accumulates in fp32: they agree to bf16 rounding of the largest entries
+    torch.testing.assert_close(fused.weight.main_grad, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
 @pytest.mark.skipif(
