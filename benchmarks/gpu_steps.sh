@@ -50,7 +50,7 @@
 #             it now, with and without megatron's fused SwiGLU (fusions.bias_activation, torch.compile'd by
 #             megatron.core.jit.jit_fuser), alternating, two rounds (the first fills the compile caches), each first
 #             step traced (train.trace_first_step); each run's first_step_host_ops.txt and first_step_kernels.txt
-#             land in $OUT; about 40 s a trial
+#             land in $OUT (a run without them leaves its worker log's end); about 40 s a trial
 #   kernelwall  this card's best config (kernel_wall.py's preset) against the plain training loop of the same
 #             recipe, alternating, three runs each (about 40 s a run; the best config's first run about 90 s,
 #             its compile caches empty): give it TIME_S of at least 420
@@ -181,7 +181,9 @@ for step in "$@"; do
         --also train.trace_first_step=true --workdir /tmp/firststep \
         --out "$OUT/first_step_$HW.json" | tail -6)
       for run in /tmp/firststep/now/runs/*/; do
-        for f in host_ops kernels; do cp "$run/first_step_$f.txt" "$OUT/first_step_${f}_$(basename "$run").txt"; done
+        name=$(basename "$run")
+        [[ -f $run/first_step_host_ops.txt ]] || { tail -60 "$run/worker.log" > "$OUT/worker_tail_$name.txt"; continue; }
+        for f in host_ops kernels; do cp "$run/first_step_$f.txt" "$OUT/first_step_${f}_$name.txt"; done
       done
       stop_orphans ;;
     kernelwall)

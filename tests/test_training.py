@@ -152,7 +152,7 @@ def test_the_first_step_trace_covers_the_first_step_alone(run_cli):
     assert code == 0, why_failed(run_dir)
     ops = (run_dir / "first_step_host_ops.txt").read_text()
     assert "aten::" in ops and "Self CPU" in ops
-    assert (run_dir / "first_step_copies.txt").read_text().startswith("copy and cast ops by call site")
+    assert not (run_dir / "first_step_copies.txt").exists()  # call sites need stacks, which the first step skips
     events = read_json(run_dir / "first_step_trace.json")["traceEvents"]
     assert len([e for e in events if e.get("name", "").startswith("Optimizer.step#")]) == 1, "one step traced"
     assert not (run_dir / "trace.json").exists()  # train.trace's, of the profile steps, is another knob

@@ -295,9 +295,10 @@ class FusionsConf:
     below. ``gradient_accumulation``: a layer's weight-gradient GEMM accumulates into DDP's fp32 ``main_grad``
     itself. megatron's one flag needs APEX's ``fused_weight_gradient_mlp_cuda`` for megatron's own layers (the
     output layer, ColumnParallelLinear), which TE-only installs lack; there, TE's layers alone fuse it
-    (``model/build.py``: ``fuse_wgrad_accumulation_in_te_layers``) and the output layer accumulates unfused; with no
-    TE layer, or under Megatron-FSDP, the worker's preflight rejects it and says why. Neither its speed nor
-    ``tests/test_gpu_wgrad_fusion.py`` has run on a GPU yet.
+    (``model/wgrad_fusion.py``) and the output layer accumulates unfused; with no TE layer, or under Megatron-FSDP,
+    the worker's preflight rejects it and says why. On the H100's best config it ran 1.1% faster at the same memory
+    and ``verify`` holds it to the unfused run (``benchmarks/results/README.md``, "Transformer Engine's
+    weight-gradient fusion without APEX"): off by default, as one measurement on one card, and rejected under FSDP.
     ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
     three more tensors of the expert width per routed token) is measured on the H200 only as a memory saver

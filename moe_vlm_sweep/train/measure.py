@@ -160,12 +160,14 @@ def _hook_components(chunks: list[torch.nn.Module], marks: PhaseMarks) -> list[R
     return handles
 
 
-def _profiler(device: str) -> torch.profiler.profile:
+def _profiler(device: str, stacks: bool = True) -> torch.profiler.profile:
+    """``stacks``: the Python frames of each op, so copies and casts can be traced to the code that made them
+    (the verbose config is what fills each event's stack in torch's Kineto profiler)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # with_stack: the Python frames of each op, so copies and casts can be traced to the code that made them
-    # (the verbose config is what fills each event's stack in torch's Kineto profiler)
+    if not stacks:
+        return torch.profiler.profile(activities=activities)
     return torch.profiler.profile(
         activities=activities, with_stack=True, experimental_config=torch.profiler._ExperimentalConfig(verbose=True)
     )
@@ -190,17 +192,21 @@ def _call_site(event) -> tuple[str, ...]:
     return ("(no caller recorded: an op issued from C++ alone)",)
 
 
-def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str, prefix: str = "") -> None:
+def _write_trace(
+    profiler: torch.profiler.profile, trace_dir: Path, device: str, prefix: str = "", stacks: bool = True
+) -> None:
     """``trace.json`` (open in Perfetto or chrome://tracing), ``kernels.txt`` (ops by self device time),
-    ``host_ops.txt`` (ops by self CPU time: what the host did, launches and plan builds included) and
-    ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site that issued them), each
-    name after ``prefix``."""
+    ``host_ops.txt`` (ops by self CPU time: what the host did, launches and plan builds included) and, from a
+    profile with ``stacks``, ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site
+    that issued them), each name after ``prefix``."""
     profiler.export_chrome_trace(str(trace_dir / f"{prefix}trace.json"))
     averages = profiler.key_averages()
     sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     (trace_dir / f"{prefix}kernels.txt").write_text(averages.table(sort_by=sort, row_limit=40) + "\n")
     host = averages.table(sort_by="self_cpu_time_total", row_limit=40)
     (trace_dir / f"{prefix}host_ops.txt").write_text(host + "\n")
+    if not stacks:
+        return
     sites: dict[tuple[str, tuple[str, ...]], list[float]] = {}
     for e in profiler.events():
         if e.name in COPY_OPS:
@@ -223,13 +229,18 @@ FIRST_STEP = "first_step_"
 def first_step_trace(trace_dir: Path | None, device: str) -> Iterator[None]:
     """torch.profiler over one step (``train.trace_first_step``), written as :func:`_write_trace` writes the
     profile steps' trace, under the ``first_step_`` prefix, when the step ended normally. No-op without a
-    ``trace_dir``."""
+    ``trace_dir``.
+
+    Without Python stacks: the first step is where torch.compile traces and generates the fused functions' code
+    and Triton autotunes, a flood of host ops whose stacks would make the traced step a different, far slower one
+    (``benchmarks/results/README.md``, "H100: the first step traced"). What the first step pays is read by op names
+    and kernels; the copies' call sites are the profile steps' question."""
     if trace_dir is None:
         yield
         return
-    with _profiler(device) as profiler:
+    with _profiler(device, stacks=False) as profiler:
         yield
-    _write_trace(profiler, trace_dir, device, prefix=FIRST_STEP)
+    _write_trace(profiler, trace_dir, device, prefix=FIRST_STEP, stacks=False)
 
 
 class Profiling:
