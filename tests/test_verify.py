@@ -52,6 +52,7 @@ def test_a_gradient_counted_twice_fails_though_the_loss_agrees():
     written = json.loads(json.dumps(record(nan, ["model=tiny"], ["model=tiny"]), allow_nan=False))  # strict JSON
     assert written["status"] == "fail" and written["grad_norm"]["candidate"][2] is None
     assert written["grad_norm"]["worst_ratio"] is None and written["loss"]["worst_ratio"] == 0
+    assert written["loss"]["passed"] is True and written["grad_norm"]["passed"] is False
     assert "largest gradient norm deviation inf at step 2" in nan.summary()
     runs["candidate"] = _loss(REF, norms)
     runs["perturbed"] = _loss(REF, [*norms[:3], float("nan")])  # a reference that diverged measures no tolerance

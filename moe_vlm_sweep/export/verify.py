@@ -198,11 +198,15 @@ def compare(runs: Mapping[str, Loss]) -> Verdict:
 def record(verdict: Verdict, reference: Sequence[str], candidate: Sequence[str]) -> dict[str, Any]:
     """``verify.json``: the verdict, its tolerance's constants and both configs. Strict JSON, so any reader (jq,
     a browser) takes it: a value that is not a finite number (a NaN loss, the ratio over a zero tolerance) is
-    ``null``; the status already says whether the check passed."""
+    ``null``, and each series says whether it ``passed``."""
+    data = asdict(verdict)
+    for key, check in (("loss", verdict.loss), ("grad_norm", verdict.grad_norm)):
+        if check is not None:
+            data[key]["passed"] = check.passed
     return _finite_or_null(
         {
             "schema_version": VERIFY_SCHEMA_VERSION,
-            **asdict(verdict),
+            **data,
             "headroom": HEADROOM,
             "resolution": RESOLUTION,
             "overrides": {"reference": list(reference), "candidate": list(candidate)},

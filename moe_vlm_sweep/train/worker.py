@@ -441,8 +441,9 @@ def _native_crash_log(path: Path) -> Iterator[None]:
     a Python exception, so failure.json cannot say where: faulthandler writes every thread's Python stack to
     ``path``, one file per rank, so the launcher can name the rank that died first (its peers then fail on a
     closed connection, which is not the cause). A rank that returns removes its empty file; the launcher removes
-    those of ranks killed by a signal faulthandler does not catch (SIGTERM, SIGKILL). After the run, a crash in
-    teardown (a library's destructor, atexit) still leaves its stacks, in the worker's log."""
+    those of ranks killed by a signal faulthandler does not catch (SIGTERM, SIGKILL). The process group's
+    teardown is inside (a crash there is the run's); a crash after it, in a library's destructor or atexit, leaves
+    its stacks in the worker's log."""
     with path.open("w") as log:
         faulthandler.enable(log, all_threads=True)
         try:
