@@ -79,8 +79,8 @@ PRESETS = {
         recipe="model=qwen3_vl_30b_a3b_proxy parallel=3d batch.gbs=8 train.warmup_steps=3 train.steps=8",
         # The study's confirmed layout (3D, MBS 4, padded rows, megatron's default fusions) as a bare loop.
         plain="batch.mbs=4 cuda_graph=none recompute=none train.timeout_s=200",
-        # A candidate, not yet measured: one micro-batch a step, the fused loss never holding the 151936-wide fp32
-        # logits that kept the study at MBS 4, packed rows, the fused SwiGLU.
+        # The candidate: one micro-batch a step, the fused loss never holding the 151936-wide fp32 logits that kept
+        # the study at MBS 4, packed rows, the fused SwiGLU.
         best={
             "h200": "batch.mbs=8 data.packing=true fusions.bias_activation=true fusions.linear_cross_entropy=true "
             "recompute=none train.expandable_segments=true cuda_graph=none dispatcher=alltoall vision=trainable "

@@ -298,7 +298,8 @@ class FusionsConf:
     (``model/wgrad_fusion.py``) and the output layer accumulates unfused; with no TE layer, or under Megatron-FSDP,
     the worker's preflight rejects it and says why. On the H100's best config it ran 1.1% faster at the same memory
     and ``verify`` holds it to the unfused run (``benchmarks/results/README.md``, "Transformer Engine's
-    weight-gradient fusion without APEX"): off by default, as one measurement on one card, and rejected under FSDP.
+    weight-gradient fusion without APEX"). Off by default: without APEX, Megatron-FSDP (the GPUs' default layout)
+    rejects it.
     ``bias_activation`` (megatron's ``bias_activation_fusion``: one kernel for
     SwiGLU, weighted by the router's probabilities in the experts, where unfused megatron runs four and saves
     three more tensors of the expert width per routed token) is measured on the H200 only as a memory saver
