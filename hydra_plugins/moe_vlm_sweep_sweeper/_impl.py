@@ -17,7 +17,6 @@ import logging
 import random
 import shlex
 import signal
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -66,6 +65,8 @@ from moe_vlm_sweep.sweep.trial import (
     run_overrides,
 )
 
+from ._stop import Interrupted, raise_if_stopped, received, stoppable
+
 logger = logging.getLogger(__name__)
 
 MAX_DUPLICATES_IN_A_ROW = 25
@@ -76,23 +77,6 @@ EXIT_INVALID = 2
 EXIT_STOPPED = 1
 
 logger = logging.getLogger(__name__)
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the sweep. A BaseException, like KeyboardInterrupt, so it passes through
-    Hydra's launcher (which keeps a task's Exception as its result) and the local launcher (which ends the
-    worker's process group on the way)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    # The first signal stops the sweep cleanly; a second one (an impatient Ctrl-C) ends the process at once.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Interrupted(signum)
 
 
 def _key(override: str) -> str:
@@ -276,6 +260,7 @@ class SweeperImpl(Sweeper):
         if problem:
             self.stop_reason = problem
             return Outcome(state="fail", failure_class=RunStatus.INVALID, reason=problem)
+        raise_if_stopped()
         owner = ledger.claim(study, trial, trial.params)
         if owner is not None:
             # Told as failed, not pruned: the config is not bad, and TPE must not learn that it is (it ignores fails).
@@ -312,6 +297,7 @@ class SweeperImpl(Sweeper):
             if holding:
                 trial.set_user_attr("devices", holding)
             try:
+                raise_if_stopped()
                 job = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
             except Exception as exc:
                 if is_rejected_submission(exc):
@@ -426,11 +412,14 @@ class SweeperImpl(Sweeper):
         SIGINT/SIGTERM 130/143 after marking the running trial interrupted (the same command resumes)."""
         if not self.project:
             return self._sweep(arguments)
-        handlers = None
-        if threading.current_thread() is threading.main_thread():
-            handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return self._sweep(arguments)
+            with stoppable():
+                result = self._sweep(arguments)
+                late = received()
+            if late is not None:  # a finalizer swallowed it after the loop's last check: the sweep ended whole
+                say(f"sweep: {signal.Signals(late).name} came as the sweep ended; every result is kept", err=True)
+                raise SystemExit(128 + late)
+            return result
         except Interrupted as stop:
             self._interrupted(stop)
             raise SystemExit(128 + stop.signum) from None
@@ -444,9 +433,6 @@ class SweeperImpl(Sweeper):
             url = self.storage or ""
             say(f"error: {storage_problem(exc.__cause__ or exc, url)}", err=True)
             raise SystemExit(EXIT_INVALID) from None
-        finally:
-            for sig, handler in (handlers or {}).items():
-                signal.signal(sig, handler)
 
     def _resume_command(self) -> str:
         return shlex.join(["moe-vlm-sweep", "run", "-m", *self.config.hydra.overrides.task])
@@ -522,6 +508,7 @@ class SweeperImpl(Sweeper):
         explorer_seed = EXPLORER_SEED_OFFSET + spec.seed + len(study.get_trials(deepcopy=False))
         explorer, walker = optuna.samplers.RandomSampler(seed=explorer_seed), random.Random(explorer_seed)
         while True:
+            raise_if_stopped()
             trials = study.get_trials(deepcopy=False)
             done = len(ledger.counted(trials))
             if done + len(ledger.in_flight(trials, spec.resume.stale_after_s)) >= spec.n_trials:
