@@ -21,6 +21,7 @@ from moe_vlm_sweep.launch.lifeline import is_alive, start_ticks
 from moe_vlm_sweep.launch.local import cuda_alloc_conf, launch
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import overrides_yaml
+from moe_vlm_sweep.launch.stop import Interrupted, stoppable
 
 
 def _worker_pids(run_dir) -> list[int]:
@@ -114,6 +115,22 @@ def test_hang_past_timeout_is_a_timeout(tmp_path, run_cli):
     assert "train.timeout_s=15" in result["reason"]
     assert not (run_dir / "metrics.json").exists()
     assert _worker_pids(run_dir) == []
+
+
+def test_a_stop_a_finalizer_swallowed_ends_the_running_worker_within_seconds(tmp_path):
+    """The sweep's stop is recorded but its exception never reached the launcher's wait (``launch/stop.py``):
+    the launcher raises it at its next check and ends the worker's whole group on the way out."""
+    from moe_vlm_sweep.launch import stop
+
+    plan, run_dir = prepared(tmp_path, LONG)
+    swallowed = threading.Timer(3, stop._received.append, [signal.SIGTERM])  # the record a dropped stop leaves
+    began = time.monotonic()
+    with stoppable(), pytest.raises(Interrupted):
+        swallowed.start()
+        launch(plan, run_dir)
+    assert time.monotonic() - began < 3 + 10, "the launcher checks for a stop about once a second"
+    assert _worker_pids(run_dir) == []
+    assert not (run_dir / "result.json").exists(), "a stopped run has no verdict: the sweep marks it interrupted"
 
 
 def test_gpu_plan_on_a_cpu_machine_fails_preflight_as_invalid(run_cli):

@@ -7,38 +7,51 @@ import sys
 
 import pytest
 
-from hydra_plugins.moe_vlm_sweep_sweeper._stop import Interrupted, raise_if_stopped, received, stoppable
+from moe_vlm_sweep.launch.stop import Interrupted, raise_if_stopped, received, stoppable
 
 
-class _SignalsItselfWhenCollected:
+class SignalsItselfWhenCollected:
+    """Sends SIGTERM from its finalizer: ``os.kill`` runs the Python handler before it returns, so the handler's
+    exception is raised inside ``__del__``, where Python drops it."""
+
     def __del__(self) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(10_000):  # the handler runs at the next bytecode check, still inside this finalizer
-            pass
 
 
-def test_a_stop_that_a_finalizer_swallowed_still_stops_the_sweep(monkeypatch):
-    dropped = []
-    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+def test_a_stop_that_a_finalizer_swallowed_still_stops_the_sweep_and_is_not_printed(monkeypatch):
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", printed.append)
     before = signal.getsignal(signal.SIGTERM)
     with stoppable():
-        _SignalsItselfWhenCollected()
-        assert [type(d.exc_value) for d in dropped] == [Interrupted], "the finalizer did not swallow the stop"
+        SignalsItselfWhenCollected()  # returns: the finalizer swallowed the handler's Interrupted
         assert received() == signal.SIGTERM
         with pytest.raises(Interrupted) as stop:
             raise_if_stopped()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "a second signal must end the process at once"
     assert stop.value.signum == signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert printed == []
+    assert signal.getsignal(signal.SIGTERM) is before and sys.unraisablehook == printed.append
+    assert received() is None, "a stop belongs to its sweep alone"
 
 
-def test_no_stop_raises_nothing_and_the_next_sweep_starts_clean():
+def test_any_other_exception_a_finalizer_drops_is_still_printed(monkeypatch):
+    class Faulty:
+        def __del__(self) -> None:
+            raise RuntimeError("a broken finalizer")
+
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", printed.append)
+    with stoppable():
+        Faulty()
+    assert [type(p.exc_value) for p in printed] == [RuntimeError]
+
+
+def test_without_a_stop_the_check_passes_and_a_signal_that_gets_through_raises():
     with stoppable():
         raise_if_stopped()
         assert received() is None
         with pytest.raises(Interrupted):
             os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(10_000):
-                pass
     with stoppable():
         assert received() is None
         raise_if_stopped()

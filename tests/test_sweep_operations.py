@@ -13,6 +13,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -294,6 +295,76 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
     _assert_consistent(study, mlflow_runs(tmp_path), 2)
     retry = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
     assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == study.trials[0].params
+
+
+_SWALLOWED_STOP = """
+import os, signal, sys
+
+from hydra_plugins.moe_vlm_sweep_sweeper._impl import SweeperImpl
+from moe_vlm_sweep import cli
+from moe_vlm_sweep.export.finish import SweepEnd
+
+
+class SignalsItselfWhenCollected:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, and Python drops what it raises
+
+
+owner, name = {"validate": (SweeperImpl, "_validate"), "finish": (SweepEnd, "finish")}[sys.argv[1]]
+original = getattr(owner, name)
+
+
+def then_a_swallowed_stop(*args, **kwargs):
+    result = original(*args, **kwargs)
+    SignalsItselfWhenCollected()
+    return result
+
+
+setattr(owner, name, then_a_swallowed_stop)
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def _sweep_with_a_swallowed_stop(tmp_path: Path, after: str) -> tuple[str, optuna.Study]:
+    """The one-trial small sweep, where SIGTERM comes inside a finalizer right after ``after`` returns: (its
+    console, its study), once it exited as stopped with nothing of the dropped exception printed."""
+    conf = private_conf(tmp_path, {"small": ONE})
+    driver = tmp_path / "swallowed_stop.py"
+    driver.write_text(_SWALLOWED_STOP)
+    env = {**os.environ, "MOE_VLM_SWEEP_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
+    try:
+        done = subprocess.run(
+            [sys.executable, str(driver), after, *SMALL],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=300,
+        )
+    finally:
+        end_orphans(tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 143, out[-4000:]
+    assert "Traceback" not in out and "Exception ignored" not in out, out[-3000:]
+    return out, only_study(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stop_a_finalizer_swallowed_before_the_claim_still_stops_the_sweep(tmp_path):
+    out, study = _sweep_with_a_swallowed_stop(tmp_path, "validate")
+    assert "sweep: stopped by SIGTERM; trial #0 marked interrupted. Resume with" in out, out[-3000:]
+    (first,) = study.trials
+    assert first.state == TrialState.FAIL and first.user_attrs["failure_class"] == "interrupted"
+    assert "claim" not in first.user_attrs and not (tmp_path / "outputs" / "runs").exists()
+    runs = mlflow_runs(tmp_path)
+    assert {r.info.status for r in runs} == {"KILLED"} and list(children_by_trial(runs)) == [0]
+
+
+@pytest.mark.slow
+def test_a_stop_a_finalizer_swallowed_as_the_sweep_ends_still_exits_as_stopped(tmp_path):
+    out, study = _sweep_with_a_swallowed_stop(tmp_path, "finish")
+    assert "sweep: SIGTERM came as the sweep ended; every result is kept" in out, out[-3000:]
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE]
 
 
 # --- uncontended measurements --------------------------------------------------------------------------------

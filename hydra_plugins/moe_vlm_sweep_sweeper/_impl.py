@@ -38,6 +38,7 @@ from moe_vlm_sweep.console import say
 from moe_vlm_sweep.export.finish import SweepEnd, best_trial
 from moe_vlm_sweep.launch import slurm
 from moe_vlm_sweep.launch.status import RunStatus
+from moe_vlm_sweep.launch.stop import Interrupted, raise_if_stopped, received, stoppable
 from moe_vlm_sweep.sweep import early_stop, ledger, preflight, progress
 from moe_vlm_sweep.sweep.budget import TimeBudget, wall_seconds
 from moe_vlm_sweep.sweep.devices import held as devices_held
@@ -65,10 +66,6 @@ from moe_vlm_sweep.sweep.trial import (
     run_overrides,
 )
 
-from ._stop import Interrupted, raise_if_stopped, received, stoppable
-
-logger = logging.getLogger(__name__)
-
 MAX_DUPLICATES_IN_A_ROW = 25
 EXPLORER_SEED_OFFSET = 1_000_003
 _LAUNCH_FAILURES = (RunStatus.OOM, RunStatus.CRASH, RunStatus.TIMEOUT, RunStatus.NAN)
@@ -77,6 +74,13 @@ EXIT_INVALID = 2
 EXIT_STOPPED = 1
 
 logger = logging.getLogger(__name__)
+
+
+def _exit_code(otherwise: int) -> int:
+    """A sweep a signal stopped exits 128 + the signal, whatever error ended it after (a caller such as a Slurm
+    job script tells a stop from a failure by it)."""
+    stop = received()
+    return otherwise if stop is None else 128 + stop
 
 
 def _key(override: str) -> str:
@@ -409,30 +413,32 @@ class SweeperImpl(Sweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """The sweep, with what stops it said in one line: a bad space or storage exits 2, a deliberate stop 1,
-        SIGINT/SIGTERM 130/143 after marking the running trial interrupted (the same command resumes)."""
+        SIGINT/SIGTERM 130/143 after marking the running trial interrupted (the same command resumes). A signal
+        whose exception a finalizer swallowed (``launch/stop.py``) still exits 130/143: at the next safe point,
+        or at the end if the sweep finished first."""
         if not self.project:
             return self._sweep(arguments)
-        try:
-            with stoppable():
+        with stoppable():  # the handlers stay for the clean-up below, so that a second signal still ends it at once
+            try:
                 result = self._sweep(arguments)
-                late = received()
-            if late is not None:  # a finalizer swallowed it after the loop's last check: the sweep ended whole
+            except Interrupted as stop:
+                self._interrupted(stop)
+                raise SystemExit(128 + stop.signum) from None
+            except (SweepSpecError, StorageError) as exc:
+                say(f"error: {exc}", err=True)
+                raise SystemExit(_exit_code(EXIT_INVALID)) from None
+            except SweepError as exc:
+                say(f"error: {exc}", err=True)
+                raise SystemExit(_exit_code(EXIT_STOPPED)) from None
+            except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+                url = self.storage or ""
+                say(f"error: {storage_problem(exc.__cause__ or exc, url)}", err=True)
+                raise SystemExit(_exit_code(EXIT_INVALID)) from None
+            late = received()
+            if late is not None:
                 say(f"sweep: {signal.Signals(late).name} came as the sweep ended; every result is kept", err=True)
                 raise SystemExit(128 + late)
             return result
-        except Interrupted as stop:
-            self._interrupted(stop)
-            raise SystemExit(128 + stop.signum) from None
-        except (SweepSpecError, StorageError) as exc:
-            say(f"error: {exc}", err=True)
-            raise SystemExit(EXIT_INVALID) from None
-        except SweepError as exc:
-            say(f"error: {exc}", err=True)
-            raise SystemExit(EXIT_STOPPED) from None
-        except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-            url = self.storage or ""
-            say(f"error: {storage_problem(exc.__cause__ or exc, url)}", err=True)
-            raise SystemExit(EXIT_INVALID) from None
 
     def _resume_command(self) -> str:
         return shlex.join(["moe-vlm-sweep", "run", "-m", *self.config.hydra.overrides.task])

@@ -11,7 +11,8 @@ starting a fresh interpreter: the same isolation, timeout, classification and li
 imports again. Every run gets the shared compile caches (``launch/compile_cache.py``).
 
 ``watch`` (a sweep's early stop) is called about once a second with the run directory while the worker runs; a
-reason it returns ends the run's process group, and the run is ``pruned`` with that reason.
+reason it returns ends the run's process group, and the run is ``pruned`` with that reason. A stop signal to the
+sweep that a finalizer swallowed is raised at the same pace (``launch/stop.py``), ending the group too.
 
 Inside a Slurm job that Slurm is ending (time limit, scancel, preemption), a crashed run is not reported: the
 process waits for Slurm's kill, so the job ends with Slurm's state (``launch/slurm.py``).
@@ -37,6 +38,7 @@ from moe_vlm_sweep.launch.lifeline import LAUNCHER_ENV, launcher_identity
 from moe_vlm_sweep.launch.result import RunResult
 from moe_vlm_sweep.launch.run_dir import WORKER_LOG
 from moe_vlm_sweep.launch.status import RunStatus
+from moe_vlm_sweep.launch.stop import raise_if_stopped
 from moe_vlm_sweep.metrics.schema import (
     FAILURE_FILE,
     drop_empty_native_crash_files,
@@ -251,9 +253,10 @@ def launch(
             if left <= 0:
                 timed_out = True
                 break
-            returncode = trial.wait(min(left, WATCH_EVERY_S) if watch else left)
+            returncode = trial.wait(min(left, WATCH_EVERY_S))
             if returncode is not None or getattr(trial, "gone", None):
                 break
+            raise_if_stopped()
             if watch and (stopped := watch(run_dir)):
                 break
     finally:
