@@ -73,24 +73,16 @@ def bare_rates(plan: RunPlan, times: list[float], batches: list[BatchTokens]) ->
 def _bare_steps(plan: RunPlan) -> tuple[list[float], list[BatchTokens]]:
     """Build, wrap and train with the bare loop; the measured steps' times and batches."""
     import torch
-    from megatron.core import parallel_state
 
-    from moe_vlm_sweep.data import make_source
     from moe_vlm_sweep.model.build import build_model_chunks
     from moe_vlm_sweep.train.cuda_graphs import LLaVADecoderGraphs
-    from moe_vlm_sweep.train.loop import step_tokens, wrap_for_training
+    from moe_vlm_sweep.train.loop import rank_source, step_tokens, wrap_for_training
 
     cfg = plan.run_config
     models, optimizer = wrap_for_training(plan, build_model_chunks(plan))
     model, config = models[0], models[0].config
     image_dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
-    source = make_source(
-        cfg.model,
-        cfg.data,
-        micro_batch_size=cfg.batch.mbs,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-    )
+    source = rank_source(plan)
     cuda = plan.device == "cuda"
     times: list[float] = []
     batches: list[BatchTokens] = []

@@ -38,6 +38,7 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from moe_vlm_sweep.config.schema import ParallelConf
 from moe_vlm_sweep.console import say
+from moe_vlm_sweep.data import make_source
 from moe_vlm_sweep.data.batch import BatchSource, MicroBatch
 from moe_vlm_sweep.model.flops import SUMMED_FIELDS, BatchTokens
 from moe_vlm_sweep.plan.plan import RunPlan
@@ -147,6 +148,18 @@ def wrap_for_training(plan: RunPlan, chunks: list[MegatronModule]):
     config.grad_scale_func = optimizer.scale_loss
     _set_sync_funcs(config, models, cfg.parallel)
     return models, optimizer
+
+
+def rank_source(plan: RunPlan) -> BatchSource:
+    """This rank's batches: its data-parallel replica's share of every step (ranks of one replica read the same)."""
+    cfg = plan.run_config
+    return make_source(
+        cfg.model,
+        cfg.data,
+        micro_batch_size=cfg.batch.mbs,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
 
 
 def _set_sync_funcs(config: Any, models: list, parallel: ParallelConf) -> None:
@@ -288,7 +301,6 @@ class Trainer:
     def _reduce(self, step: int, microbatches: list[MicroBatch], result: TrainResult) -> None:
         """World-wide loss over real tokens and token counts (each DP rank counted once), and the step's gradient
         norm (already global: megatron's optimizer reduces it over every rank holding gradients)."""
-        result.grad_norms.append(None if self._grad_norm is None else float(self._grad_norm))
         loss = torch.zeros(2, dtype=torch.float64)
         if self.loss_owner:
             for reduced in self._losses:
@@ -310,6 +322,7 @@ class Trainer:
         if not math.isfinite(value):
             raise NonFiniteLoss(f"loss is {value} at step {step}")
         result.losses.append(value)
+        result.grad_norms.append(None if self._grad_norm is None else float(self._grad_norm))
         result.batches.append(
             BatchTokens(
                 **{name: float(v) for name, v in zip(SUMMED_FIELDS, payload[2:])},

@@ -316,23 +316,16 @@ def run(run_dir: Path) -> None:
         from moe_vlm_sweep.train import cpu_compat
 
         cpu_compat.apply()
-    from megatron.core import parallel_state
 
-    from moe_vlm_sweep.data import make_source, prefetched
+    from moe_vlm_sweep.data import prefetched
     from moe_vlm_sweep.model.build import build_model_chunks, precision_scope
-    from moe_vlm_sweep.train.loop import Trainer, training_stream
+    from moe_vlm_sweep.train.loop import Trainer, rank_source, training_stream
 
     clock.mark("imports")
     init_distributed(plan)
     cfg = plan.run_config
     peak = measure_peak_tflops(plan)
-    source = make_source(
-        cfg.model,
-        cfg.data,
-        micro_batch_size=cfg.batch.mbs,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-    )
+    source = rank_source(plan)
     clock.mark("init")
     with (
         training_stream(plan),
