@@ -56,6 +56,14 @@ def run_in(outputs: Path, *overrides: str) -> tuple[int, Path | None]:
     return code, (runs[-1] if runs else None)
 
 
+def ok_run(result: tuple[int, Path | None]) -> tuple[Path, dict]:
+    """(run dir, metrics.json) of a ``run_in`` or ``run_cli`` result that must have succeeded; otherwise the
+    failure's account is the assertion message."""
+    code, run_dir = result
+    assert code == 0 and run_dir is not None, why_failed(run_dir)
+    return run_dir, read_json(run_dir / "metrics.json")
+
+
 @pytest.fixture
 def run_cli(tmp_path, capsys):
     """``run_in`` under tmp_path, echoing the CLI's output into the test's report."""

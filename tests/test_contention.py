@@ -14,7 +14,7 @@ import optuna
 import psutil
 import pytest
 import yaml
-from conftest import read_json, why_failed
+from conftest import ok_run
 from contract_samples import sample_metrics
 from sweep_testing import children_by_trial, cli, mlflow_runs, only_study, private_conf
 from test_sweep_e2e import SMALL_SPACE
@@ -56,9 +56,8 @@ def _unless_starved(found: bool, spinner: dict) -> None:
 
 def test_a_process_spinning_on_the_trials_cores_marks_it_contended(run_cli):
     with _spinning() as (pid, spinner):
-        code, run_dir = run_cli(*_TRAIN)
-    assert code == 0, why_failed(run_dir)
-    metrics = read_json(run_dir / "metrics.json")
+        result = run_cli(*_TRAIN)
+    run_dir, metrics = ok_run(result)
     seen = {p["pid"]: p for p in metrics["contention"]["processes"]}
     _unless_starved(pid in seen, spinner)
     assert metrics["contended"] is True
@@ -71,9 +70,7 @@ def test_a_process_spinning_on_the_trials_cores_marks_it_contended(run_cli):
 
 
 def test_without_another_busy_process_the_trial_is_not_contended_by_itself(run_cli):
-    code, run_dir = run_cli(*_TRAIN)
-    assert code == 0, why_failed(run_dir)
-    metrics = read_json(run_dir / "metrics.json")
+    _, metrics = ok_run(run_cli(*_TRAIN))
     seen = {p["pid"] for p in metrics["contention"]["processes"]}
     # This test's process (the worker's ancestor) and everything it started are the trial's, never "other"; on a
     # quiet host nothing else is busy, so the run is clean (a shared host's own busy jobs are listed, and then

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_json, why_failed
+from conftest import ok_run
 from PIL import Image
 
 from moe_vlm_sweep.config.schema import ConfigFieldError, DataConf, ModelConf, RunConfig
@@ -137,16 +137,16 @@ def test_effective_tokens_are_padded_tokens_times_real_over_padded():
 
 
 def test_webdataset_trains_from_real_image_files(run_cli, shards):
-    code, run_dir = run_cli(
-        "model=tiny",
-        "data=webdataset",
-        f"data.shards='{shards}'",
-        "train.warmup_steps=1",
-        "train.steps=2",
-        "train.profile_steps=1",
+    run_dir, metrics = ok_run(
+        run_cli(
+            "model=tiny",
+            "data=webdataset",
+            f"data.shards='{shards}'",
+            "train.warmup_steps=1",
+            "train.steps=2",
+            "train.profile_steps=1",
+        )
     )
-    assert code == 0, why_failed(run_dir)
-    metrics = read_json(run_dir / "metrics.json")
     assert metrics["data_realism"] == "real_images"
     assert all(v == v for v in metrics["loss"]["values"])
     assert metrics["effective_tokens_per_s"] < metrics["tokens_per_s"]
@@ -167,11 +167,9 @@ def test_webdataset_trains_from_real_image_files(run_cli, shards):
 
 
 def test_mock_text_run_reports_no_vision_work(run_cli):
-    code, run_dir = run_cli(
-        "model=tiny", "data=mock_text", "train.warmup_steps=1", "train.steps=2", "train.profile_steps=1"
+    _, metrics = ok_run(
+        run_cli("model=tiny", "data=mock_text", "train.warmup_steps=1", "train.steps=2", "train.profile_steps=1")
     )
-    assert code == 0, why_failed(run_dir)
-    metrics = read_json(run_dir / "metrics.json")
     assert metrics["data_realism"] == "mock_text"
     assert metrics["effective_tokens_per_s"] == metrics["tokens_per_s"]  # mock text has no padding
     assert metrics["flops_per_step"]["vision_encoder"] == {"model": 0.0, "hardware": 0.0}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import read_json, run_in, why_failed
+from conftest import ok_run, run_in
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -37,12 +37,11 @@ def test_another_process_on_the_trials_gpu_is_named_and_the_trial_itself_is_not(
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        code, run_dir = run_in(tmp_path / "shared", *_TINY_ON_GPU)
+        result = run_in(tmp_path / "shared", *_TINY_ON_GPU)
     finally:
         holder.kill()
         holder.wait()
-    assert code == 0, why_failed(run_dir)
-    metrics = read_json(run_dir / "metrics.json")
+    _, metrics = ok_run(result)
     contention = metrics["contention"]
     assert contention["gpu_source"] in ("nvml", "nvidia-smi"), contention
     seen = {p["pid"]: p for p in contention["processes"]}
@@ -50,7 +49,5 @@ def test_another_process_on_the_trials_gpu_is_named_and_the_trial_itself_is_not(
     assert seen[holder.pid]["where"].startswith("gpu GPU-")
     assert seen[holder.pid]["gpu_memory_mib"] is None or seen[holder.pid]["gpu_memory_mib"] >= 1024
 
-    code, run_dir = run_in(tmp_path / "alone", *_TINY_ON_GPU)
-    assert code == 0, why_failed(run_dir)
-    metrics = read_json(run_dir / "metrics.json")
+    _, metrics = ok_run(run_in(tmp_path / "alone", *_TINY_ON_GPU))
     assert metrics["contended"] is False, metrics["contention"]  # its own CUDA context is not "another process"

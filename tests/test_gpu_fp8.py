@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from conftest import read_json, run_in, why_failed
+from conftest import ok_run, run_in
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
@@ -40,9 +40,7 @@ TE_RECIPES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
 
 
 def _run(outputs, *overrides: str) -> dict:
-    code, run_dir = run_in(outputs, *COMMON, *overrides)
-    assert code == 0, why_failed(run_dir)
-    return read_json(run_dir / "metrics.json")
+    return ok_run(run_in(outputs, *COMMON, *overrides))[1]
 
 
 @pytest.fixture(scope="module")

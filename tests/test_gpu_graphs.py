@@ -10,7 +10,7 @@ attention at a length TE would run unfused (``machine_rules.graphs_unfuse_attent
 from __future__ import annotations
 
 import pytest
-from conftest import GPU_TINY, needs_cuda_te, read_json, run_in, why_failed
+from conftest import GPU_TINY, needs_cuda_te, ok_run, run_in
 
 pytestmark = needs_cuda_te
 
@@ -24,9 +24,7 @@ COMMON = (
 
 
 def _run(outputs, *overrides: str) -> dict:
-    code, run_dir = run_in(outputs, *COMMON, *overrides)
-    assert code == 0, why_failed(run_dir)
-    return read_json(run_dir / "metrics.json")
+    return ok_run(run_in(outputs, *COMMON, *overrides))[1]
 
 
 @pytest.fixture(scope="module")
