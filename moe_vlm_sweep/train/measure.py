@@ -192,12 +192,10 @@ def _call_site(event) -> tuple[str, ...]:
     return ("(no caller recorded: an op issued from C++ alone)",)
 
 
-def _write_trace(
-    profiler: torch.profiler.profile, trace_dir: Path, device: str, prefix: str = "", stacks: bool = True
-) -> None:
+def _write_trace(profiler: torch.profiler.profile, trace_dir: Path, device: str, prefix: str = "") -> None:
     """``trace.json`` (open in Perfetto or chrome://tracing), ``kernels.txt`` (ops by self device time),
     ``host_ops.txt`` (ops by self CPU time: what the host did, launches and plan builds included) and, from a
-    profile with ``stacks``, ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site
+    profile with Python stacks, ``copies.txt`` (the copy and cast ops of ``COPY_OPS`` grouped by the Python call site
     that issued them), each name after ``prefix``."""
     profiler.export_chrome_trace(str(trace_dir / f"{prefix}trace.json"))
     averages = profiler.key_averages()
@@ -205,7 +203,7 @@ def _write_trace(
     (trace_dir / f"{prefix}kernels.txt").write_text(averages.table(sort_by=sort, row_limit=40) + "\n")
     host = averages.table(sort_by="self_cpu_time_total", row_limit=40)
     (trace_dir / f"{prefix}host_ops.txt").write_text(host + "\n")
-    if not stacks:
+    if not profiler.with_stack:
         return
     sites: dict[tuple[str, tuple[str, ...]], list[float]] = {}
     for e in profiler.events():
@@ -240,7 +238,7 @@ def first_step_trace(trace_dir: Path | None, device: str) -> Iterator[None]:
         return
     with _profiler(device, stacks=False) as profiler:
         yield
-    _write_trace(profiler, trace_dir, device, prefix=FIRST_STEP, stacks=False)
+    _write_trace(profiler, trace_dir, device, prefix=FIRST_STEP)
 
 
 class Profiling:
